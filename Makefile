@@ -1,0 +1,36 @@
+# pdserve — `make serve` and `make test` do all the set-up on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# CPU machines get the CPU build of torch; a CUDA machine keeps whatever pip resolves.
+TORCH_CPU ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install serve test lint proto gpu-check clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(BIN)/python -m pip install -q "$(TORCH_CPU)"; fi
+	$(BIN)/python -m pip install -q -e ".[dev,ucx]"
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/pdserve up
+
+test: install
+	$(BIN)/python -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+
+proto: install
+	$(BIN)/python -m grpc_tools.protoc -Iproto=proto --python_out=. --grpc_python_out=. \
+	  --pyi_out=. proto/pdserve.proto
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,1 @@
+"""Attention backends over the page-major KV pool."""
