@@ -29,8 +29,7 @@ lint: install
 	$(BIN)/ruff check .
 
 proto: install
-	$(BIN)/python -m grpc_tools.protoc -Iproto=proto --python_out=. --grpc_python_out=. \
-	  --pyi_out=. proto/pdserve.proto
+	$(BIN)/python -m pdserve.proto.generate
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
