@@ -1,0 +1,50 @@
+"""The `pdserve` command: one entry point, each subcommand implemented by its component.
+
+Subcommands are imported lazily so `pdserve kvbench` does not load transformers and
+`pdserve router` does not load torch kernels it never uses.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, help). Each module exposes `main(argv: list[str]) -> int`.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("pdserve.launcher", "start router + prefill + decode workers on this machine"),
+    "router": ("pdserve.router.main", "run the router (gRPC + OpenAI-compatible HTTP)"),
+    "prefill": ("pdserve.prefill.main", "run a prefill worker"),
+    "decode": ("pdserve.decode.main", "run a decode worker"),
+    "mixed": ("pdserve.decode.mixed_main", "run a worker doing prefill and decode (no transfer)"),
+    "generate": ("pdserve.engine.generate_cli", "offline generation from a JSONL prompt file"),
+    "kvbench": ("pdserve.kvtransfer.bench", "benchmark KV page transfer between two processes"),
+    "bench": ("pdserve.router.bench", "serving load generator (TTFT, ITL, goodput)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: pdserve <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if args[0] in ("-V", "--version"):
+        from pdserve import __version__
+
+        print(f"pdserve {__version__}")
+        return 0
+    name = args[0]
+    if name not in SUBCOMMANDS:
+        print(f"pdserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(args[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
