@@ -1,0 +1,80 @@
+"""Build a ready-to-run engine (model, KV pool, memory, runner, scheduler) from configs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.config import CacheConfig, SchedulerConfig, parse_dtype
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.memory import KVMemory
+from pdserve.engine.model_runner import ModelRunner, default_attention_backend, num_kv_pages
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF directory or .gguf file; None = the embedded default
+    device: str = "cpu"
+    dtype: str | None = None  # default float32 on CPU, bfloat16 on CUDA
+    attention_backend: str | None = None
+    disable_radix_cache: bool = False
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device: must be cpu or cuda[:N], got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device: CUDA requested but no CUDA device is available")
+        if self.dtype is not None:
+            parse_dtype(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return parse_dtype(self.dtype)
+        return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+
+    def model_path(self) -> str:
+        if self.model is not None:
+            return self.model
+        from pdserve.engine.default_model import default_model_path
+
+        return default_model_path()
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig
+    runner: ModelRunner
+    memory: KVMemory
+    tokenizer: object
+    load_s: float
+
+
+def build_engine_parts(config: EngineConfig, pool_buffer: torch.Tensor | None = None
+                       ) -> EngineParts:
+    """Load the model and tokenizer and size the KV pool. `pool_buffer`: externally owned
+    pool memory (e.g. shared memory for same-host KV transfer), shaped like KVPool.buffer."""
+    from pdserve.engine.loader import load_model, load_tokenizer
+
+    t0 = time.perf_counter()
+    device = torch.device(config.device)
+    dtype = config.torch_dtype
+    path = config.model_path()
+    model, model_config = load_model(path, dtype=dtype, device=device)
+    tokenizer = load_tokenizer(path)
+    cache = config.cache
+    max_ctx = min(cache.max_context_len or model_config.max_position_embeddings,
+                  model_config.max_position_embeddings)
+    num_pages = (int(pool_buffer.shape[0]) if pool_buffer is not None
+                 else num_kv_pages(model_config, cache, dtype, device))
+    pool = KVPool.for_model(model_config, cache, num_pages, dtype, device) if pool_buffer is None \
+        else KVPool(num_pages, model_config.num_layers, cache.page_size,
+                    model_config.num_kv_heads, model_config.head_dim, dtype, device, pool_buffer)
+    memory = KVMemory(pool, cache.max_reqs, max_ctx, config.disable_radix_cache)
+    runner = ModelRunner(model, model_config, pool,
+                         default_attention_backend(device, config.attention_backend))
+    return EngineParts(config, runner, memory, tokenizer, time.perf_counter() - t0)

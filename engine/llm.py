@@ -1,0 +1,124 @@
+"""Offline API: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.engine.engine import EngineConfig, build_engine_parts
+from pdserve.engine.req import Req
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.stop import TextStream
+
+
+@dataclass
+class GenerateOutput:
+    prompt: str | list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens}
+
+
+class _OfflineScheduler(Scheduler):
+    """Feeds every token to the request's TextStream, which applies stop strings."""
+
+    def on_tokens(self, req: Req, num_new: int) -> None:
+        stream: TextStream = req.user
+        if stream.finished:
+            return
+        stream.push_many(req.output_ids[-num_new:])
+        if stream.finished and req.finish_reason is None:
+            req.finish_reason = stream.finish_reason
+
+
+class LLM:
+    def __init__(self, model: str | None = None, device: str = "cpu", dtype: str | None = None,
+                 page_size: int = 16, num_pages: int | None = None, max_running: int = 64,
+                 chunked_prefill_size: int = 2048, disable_radix_cache: bool = False,
+                 attention_backend: str | None = None, max_context_len: int | None = None
+                 ) -> None:
+        cfg = EngineConfig(
+            model=model, device=device, dtype=dtype, attention_backend=attention_backend,
+            disable_radix_cache=disable_radix_cache,
+            cache=CacheConfig(page_size=page_size, num_pages=num_pages,
+                              max_context_len=max_context_len,
+                              max_reqs=max(max_running + 8, 16)),
+            scheduler=SchedulerConfig(max_running=max_running,
+                                      chunked_prefill_size=chunked_prefill_size))
+        parts = build_engine_parts(cfg)
+        self.config = cfg
+        self.tokenizer = parts.tokenizer
+        self.model_config = parts.runner.model_config
+        self.memory = parts.memory
+        self.load_s = parts.load_s
+        self.scheduler = _OfflineScheduler(parts.runner, parts.memory, cfg.scheduler)
+        self._ids = itertools.count()
+        self.last_generate_s = 0.0
+
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return [int(t) for t in prompt]
+        if chat:
+            msgs = [{"role": "user", "content": prompt}]
+            out = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                     tokenize=True)
+            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys")
+                        else out)
+        return list(self.tokenizer.encode(prompt))
+
+    def generate(self, prompts: Sequence[str | list[int]] | str,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 chat: bool = False) -> list[GenerateOutput]:
+        """Run every prompt to completion with continuous batching; outputs in input order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(sampling_params)} for {len(prompts)} prompts")
+        vocab = self.model_config.vocab_size
+        eos = tuple(self.model_config.eos_token_ids)
+        reqs = []
+        for prompt, sp in zip(prompts, sampling_params):
+            sp.validate(vocab)
+            ids = self.encode(prompt, chat)
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt: token ids must lie in [0, {vocab})")
+            req = Req(f"offline-{next(self._ids)}", ids, sp)
+            req.user = TextStream.from_params(self.tokenizer, sp, eos, ids)
+            reqs.append(req)
+        added = []
+        try:
+            for req in reqs:
+                self.scheduler.add(req)
+                added.append(req)
+            t0 = time.perf_counter()
+            while self.scheduler.has_work:
+                self.scheduler.step()
+            self.last_generate_s = time.perf_counter() - t0
+        finally:
+            for req in added:  # an error mid-run must not strand KV pages
+                if not req.finished:
+                    self.scheduler.abort(req.rid)
+        outs = []
+        for prompt, req in zip(prompts, reqs):
+            stream: TextStream = req.user
+            stream.finish(req.finish_reason or "abort")
+            outs.append(GenerateOutput(
+                prompt, stream.text, list(req.output_ids), req.finish_reason or "abort",
+                len(req.input_ids), req.cached_tokens, list(req.output_logprobs),
+                list(req.output_top_logprobs)))
+        return outs

@@ -1,0 +1,93 @@
+"""ModelRunner: a loaded model, its KV pool, an attention backend, and the sampler.
+
+It turns a ScheduleBatch into logits (one forward pass) and logits into tokens. It owns no
+scheduling state; the Scheduler decides what runs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.attention.base import AttentionBackend
+from pdserve.engine.config import CacheConfig, ModelConfig
+from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.req import Req
+from pdserve.engine.sampler import Sampler, SampleOutput, SamplingBatch
+from pdserve.engine.schedule_batch import ScheduleBatch
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+def num_kv_pages(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
+                 device: torch.device) -> int:
+    """Pool size: `cache.num_pages`, else a fraction of free GPU memory (or of a host budget)."""
+    if cache.num_pages is not None:
+        return cache.num_pages
+    page_bytes = KVPool.page_bytes_for(model, cache.page_size, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * cache.mem_fraction
+    else:
+        # Host memory is shared with other workers on the machine: a quarter of it at most.
+        budget = _host_memory_bytes() * 0.25 * cache.mem_fraction
+    max_ctx = cache.max_context_len or model.max_position_embeddings
+    # Never more than enough for every request slot at full context.
+    cap = cache.max_reqs * (-(-max_ctx // cache.page_size)) + 1
+    return max(2, min(int(budget // page_bytes), cap))
+
+
+def default_attention_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
+    """`torch` on CPU; on CUDA the fastest importable backend unless `name` picks one."""
+    from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+
+    if name in (None, "torch") or device.type != "cuda":
+        if name not in (None, "torch"):
+            raise ValueError(f"attention_backend: {name!r} needs a CUDA device")
+        return TorchAttentionBackend()
+    raise ValueError(f"attention_backend: unknown {name!r}")
+
+
+@dataclass
+class RunnerSpec:
+    model_path: str
+    device: str = "cpu"
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    attention_backend: str | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, pool: KVPool,
+                 attn_backend: AttentionBackend) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.pool = pool
+        self.attn_backend = attn_backend
+        self.device = pool.device
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduleBatch, memory) -> torch.Tensor:
+        """Logits [B, vocab] of the last new token of each request."""
+        fb = batch.build(memory.req_to_token.table, self.pool, self.attn_backend, self.device)
+        self.attn_backend.init_forward(fb)
+        return self.model(fb)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
+        sb = SamplingBatch.build(
+            [r.sampling for r in reqs],
+            [r.output_ids for r in reqs],
+            [r.input_ids for r in reqs],
+            self.model_config.vocab_size,
+            logits.device,
+            eos_token_ids=tuple(self.model_config.eos_token_ids),
+        )
+        return self.sampler.sample(logits, sb)

@@ -1,0 +1,70 @@
+"""ScheduleBatch: the requests of one forward pass and the tensors the model needs for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
+from pdserve.engine.req import Req
+
+
+@dataclass
+class ExtendEntry:
+    """`req` computes fill_ids[start : start + num_tokens] in this pass."""
+
+    req: Req
+    start: int
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        return self.start + self.num_tokens == self.req.seq_len
+
+
+@dataclass
+class ScheduleBatch:
+    mode: ForwardMode
+    reqs: list[Req]
+    entries: list[ExtendEntry] | None = None  # EXTEND only
+
+    def build(self, req_to_token: torch.Tensor, kv_pool, attn_backend,
+              device: torch.device) -> ForwardBatch:
+        """Gather ids, positions and slots from the ReqToTokenPool table (CPU) to `device`.
+
+        Slots for the new tokens must already be written to the table rows.
+        """
+        if self.mode == ForwardMode.EXTEND:
+            assert self.entries is not None
+            starts = [e.start for e in self.entries]
+            lens = [e.num_tokens for e in self.entries]
+            ids: list[int] = []
+            for e in self.entries:
+                ids.extend(e.req.fill_ids[e.start:e.start + e.num_tokens])
+        else:
+            starts = [r.seq_len - 1 for r in self.reqs]
+            lens = [1] * len(self.reqs)
+            ids = [r.output_ids[-1] if r.output_ids else r.input_ids[-1] for r in self.reqs]
+        seq_lens = [s + n for s, n in zip(starts, lens)]
+        rows = [r.req_pool_idx for r in self.reqs]
+        kv_indices = torch.cat([req_to_token[row, :sl] for row, sl in zip(rows, seq_lens)])
+        out_loc = torch.cat([req_to_token[row, s:s + n] for row, s, n in zip(rows, starts, lens)])
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        indptr = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        indptr[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int64), 0)
+        return ForwardBatch(
+            mode=self.mode,
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True),
+            positions=positions.to(device, non_blocking=True),
+            out_cache_loc=out_loc.to(device, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device, non_blocking=True),
+            prefix_lens=torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True),
+            extend_lens=torch.tensor(lens, dtype=torch.int64).to(device, non_blocking=True),
+            kv_indptr=indptr.to(device, non_blocking=True),
+            kv_indices=kv_indices.to(device, non_blocking=True),
+            kv_pool=kv_pool,
+            attn_backend=attn_backend,
+            seq_lens_cpu=seq_lens,
+            extend_lens_cpu=lens,
+        )
