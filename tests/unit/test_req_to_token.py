@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-
 from pdserve.engine.req_to_token import ReqToTokenPool
 
 
