@@ -1,0 +1,110 @@
+"""Reference attention in plain torch: the CPU serving path and what GPU backends are tested
+against.
+
+Per forward pass it plans once: every sequence's KV slots gathered into a padded [B, max_kv]
+matrix and a boolean mask that is both causal (query j of sequence i sits at position
+prefix_len[i] + j) and padding-aware. Each layer then runs one masked
+`scaled_dot_product_attention` over the whole batch; there is no per-sequence Python loop.
+GQA is handled by folding each KV head's group of query heads into the query-length axis, so
+K/V are never repeated in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from pdserve.engine.attention.base import AttentionBackend
+from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class _Plan:
+    fb: ForwardBatch  # the batch this plan was built for (identity check)
+    kv_slots: torch.Tensor  # [B, max_kv] token slots; padding points at slot 0 and is masked
+    mask: torch.Tensor  # [B, 1, max_q, max_kv] bool, True = attend
+    q_index: torch.Tensor | None  # [B, max_q] rows of q (EXTEND only; DECODE is one per seq)
+    q_valid: torch.Tensor | None  # [B, max_q] which padded query rows are real tokens
+    max_q: int
+    group_mask: torch.Tensor | None = None  # mask repeated over the GQA group, built lazily
+    group: int = 0
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def __init__(self) -> None:
+        self._plan: _Plan | None = None
+
+    def init_forward(self, fb: ForwardBatch) -> None:
+        self._plan = self._build_plan(fb)
+
+    @staticmethod
+    def _build_plan(fb: ForwardBatch) -> _Plan:
+        device = fb.seq_lens.device
+        seq_lens = fb.seq_lens.to(torch.int64)
+        max_kv = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else int(seq_lens.max())
+        kpos = torch.arange(max_kv, device=device)
+        kv_valid = kpos[None, :] < seq_lens[:, None]  # [B, max_kv]
+        src = fb.kv_indptr[:-1, None].to(torch.int64) + kpos[None, :]
+        src = torch.where(kv_valid, src, torch.zeros_like(src))
+        kv_slots = torch.where(kv_valid, fb.kv_indices[src], torch.zeros_like(src))
+
+        if fb.mode == ForwardMode.DECODE:
+            return _Plan(fb, kv_slots, kv_valid[:, None, None, :], None, None, 1)
+
+        extend_lens = fb.extend_lens.to(torch.int64)
+        max_q = max(fb.extend_lens_cpu) if fb.extend_lens_cpu else int(extend_lens.max())
+        qpos = torch.arange(max_q, device=device)
+        q_valid = qpos[None, :] < extend_lens[:, None]  # [B, max_q]
+        q_start = torch.cumsum(extend_lens, 0) - extend_lens
+        q_index = torch.where(q_valid, q_start[:, None] + qpos[None, :], 0)
+        # Absolute position of each padded query row; padding rows still see >= 1 key, so no
+        # row is fully masked (which would give NaN) and they are dropped afterwards anyway.
+        abs_q = fb.prefix_lens.to(torch.int64)[:, None] + qpos[None, :]  # [B, max_q]
+        causal = kpos[None, None, :] <= abs_q[:, :, None]  # [B, max_q, max_kv]
+        mask = (causal & kv_valid[:, None, :])[:, None]
+        return _Plan(fb, kv_slots, mask, q_index, q_valid, max_q)
+
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if fb.num_tokens == 0:
+            return q.new_empty(q.shape)
+        plan = self._plan
+        if plan is None or plan.fb is not fb:
+            # Callers that skip init_forward still get a correct plan, built once per batch.
+            plan = self._plan = self._build_plan(fb)
+
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k.shape[1]
+        group = num_heads // num_kv_heads
+        b, max_q = fb.batch_size, plan.max_q
+
+        if plan.group != group:
+            # Query heads h = kv_head * group + g share KV head `kv_head` (HF's repeat_kv order).
+            m = plan.mask[:, :, None].expand(b, 1, group, max_q, plan.mask.shape[-1])
+            plan.group_mask = m.reshape(b, 1, group * max_q, plan.mask.shape[-1])
+            plan.group = group
+
+        keys, values = fb.kv_pool.get_kv(layer_id, plan.kv_slots)  # [B, max_kv, kvh, d]
+        keys = keys.to(q.dtype).transpose(1, 2)
+        values = values.to(q.dtype).transpose(1, 2)
+
+        qp = q[plan.q_index] if plan.q_index is not None else q[:, None]  # [B, max_q, h, d]
+        qp = qp.view(b, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        qp = qp.reshape(b, num_kv_heads, group * max_q, head_dim)
+
+        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=plan.group_mask,
+                                             scale=scale)
+        out = out.view(b, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(b, max_q, num_heads, head_dim)
+        if plan.q_valid is None:
+            return out.view(b, num_heads, head_dim)
+        return out[plan.q_valid]

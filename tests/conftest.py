@@ -1,0 +1,20 @@
+"""Session-wide fixtures: a tiny random HF model and the embedded default SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import pytest
+from fixtures.tiny_model import write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama in HF format (config.json, model.safetensors, tokenizer)."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_llama"), arch="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF (downloaded into the pdserve cache once)."""
+    from pdserve.engine.default_model import default_model_path
+
+    return default_model_path()
