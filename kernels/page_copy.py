@@ -1,0 +1,56 @@
+"""Page gather / scatter between a page-major KV pool and a contiguous staging buffer.
+
+Plain torch reference; this is the API faster kernels must match. A pool is any tensor whose
+first dimension is the page (`[num_pages, ...]`); `pages` are page indices. Runs of consecutive
+pages are copied as one slice so a contiguous request costs one memcpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(offset in the request, first page, length) for each run of consecutive pages."""
+    out: list[tuple[int, int, int]] = []
+    i, n = 0, len(pages)
+    while i < n:
+        j = i + 1
+        while j < n and pages[j] == pages[j - 1] + 1:
+            j += 1
+        out.append((i, int(pages[i]), j - i))
+        i = j
+    return out
+
+
+def _as_list(pages: Sequence[int] | torch.Tensor) -> list[int]:
+    return pages.tolist() if isinstance(pages, torch.Tensor) else [int(p) for p in pages]
+
+
+def _check(pool: torch.Tensor, staging: torch.Tensor, n: int, name: str) -> None:
+    if staging.shape[0] < n or tuple(staging.shape[1:]) != tuple(pool.shape[1:]):
+        raise ValueError(f"{name}: shape {tuple(staging.shape)} cannot hold {n} pages of "
+                         f"{tuple(pool.shape[1:])}")
+    if staging.dtype != pool.dtype:
+        raise ValueError(f"{name}: dtype {staging.dtype} != pool dtype {pool.dtype}")
+
+
+def gather_pages(pool: torch.Tensor, pages: Sequence[int] | torch.Tensor,
+                 out: torch.Tensor) -> torch.Tensor:
+    """out[i] = pool[pages[i]] for each i; returns out[:len(pages)]."""
+    idx = _as_list(pages)
+    _check(pool, out, len(idx), "out")
+    for off, first, length in _runs(idx):
+        out[off:off + length].copy_(pool[first:first + length])
+    return out[:len(idx)]
+
+
+def scatter_pages(staging: torch.Tensor, pool: torch.Tensor,
+                  pages: Sequence[int] | torch.Tensor) -> None:
+    """pool[pages[i]] = staging[i] for each i."""
+    idx = _as_list(pages)
+    _check(pool, staging, len(idx), "staging")
+    for off, first, length in _runs(idx):
+        pool[first:first + length].copy_(staging[off:off + length])

@@ -1,0 +1,47 @@
+"""TransferConfig: how a worker moves KV pages (backend, bootstrap endpoint, timeouts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKENDS = ("auto", "shm", "tcp", "ucx", "cuda_ipc")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Frozen per-worker transfer settings; validation raises ValueError naming the field.
+
+    backend: "auto" lets decode pick (shm when its pool lives in shared memory, cuda_ipc when it
+    lives on a GPU, else tcp); prefill in "auto" accepts whatever decode picks. A concrete name
+    pins the backend on both sides (prefill refuses other choices at handshake).
+    bootstrap_port 0 picks a free port (two clusters must run side by side).
+    """
+
+    backend: str = "auto"
+    bootstrap_host: str = "127.0.0.1"
+    bootstrap_port: int = 0
+    bootstrap_timeout_s: float = 10.0  # room created -> peer registered / handshake done
+    waiting_timeout_s: float = 30.0  # registered -> first pages (prefill may be queueing)
+    transfer_timeout_s: float = 30.0  # first pages -> every page and the aux data
+    heartbeat_interval_s: float = 1.0
+    heartbeat_misses: int = 3  # a peer silent for interval * misses fails all its rooms
+    num_aux_slots: int = 1024  # decode: concurrent rooms (one aux slot each)
+    finished_room_ttl_s: float = 30.0  # how long a finished room id is remembered (late drops)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: {self.backend!r} is not one of {BACKENDS}")
+        if not 0 <= self.bootstrap_port <= 65535:
+            raise ValueError(f"bootstrap_port: must be in [0, 65535], got {self.bootstrap_port}")
+        for f in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s",
+                  "heartbeat_interval_s", "finished_room_ttl_s"):
+            if not float(getattr(self, f)) > 0:
+                raise ValueError(f"{f}: must be positive, got {getattr(self, f)}")
+        if self.heartbeat_misses < 1:
+            raise ValueError(f"heartbeat_misses: must be >= 1, got {self.heartbeat_misses}")
+        if self.num_aux_slots < 1:
+            raise ValueError(f"num_aux_slots: must be >= 1, got {self.num_aux_slots}")
+
+    @property
+    def heartbeat_window_s(self) -> float:
+        return self.heartbeat_interval_s * self.heartbeat_misses

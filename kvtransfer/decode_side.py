@@ -1,0 +1,258 @@
+"""Decode half of the KVManager: one DEALER per prefill worker, per-room receivers, the
+receiving engines.
+
+Threads: the control loop owns every DEALER and the peer table; engine threads (tcp, ucx) place
+chunks through place_chunk(); scheduler threads call create_receiver / init / poll / abort.
+Ownership: destination pages belong to the decode scheduler. With a one-sided backend (shm,
+cuda_ipc) prefill writes them directly, so a room that decode fails is reported Failed only
+after prefill confirmed the abort (or died): only then may the scheduler reuse its pages.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+from pdserve.kvtransfer import control as C
+from pdserve.kvtransfer.aux import AuxSlots
+from pdserve.kvtransfer.config import TransferConfig
+from pdserve.kvtransfer.engine import ChunkHeader, TransferEngine
+from pdserve.kvtransfer.fingerprint import Fingerprint
+from pdserve.kvtransfer.poll import KVPoll
+from pdserve.kvtransfer.receiver import KVReceiver
+
+
+@dataclass
+class _PrefillPeer:
+    addr: str
+    sock: zmq.Socket
+    last_seen: float
+    backend: str = ""  # set by HELLO_OK; "" while the handshake is pending
+    rooms: set[int] = field(default_factory=set)
+    queued: list[int] = field(default_factory=list)  # rooms to REGISTER after HELLO_OK
+
+
+class DecodeSide:
+    def __init__(self, pool: torch.Tensor, config: TransferConfig, fingerprint: Fingerprint,
+                 engines: list[TransferEngine]) -> None:
+        self.pool = pool
+        self.num_pool_pages = int(pool.shape[0])
+        self.page_bytes = pool[0].numel() * pool.element_size()
+        self.config = config
+        self.fingerprint = fingerprint
+        self.ident = secrets.token_bytes(16)
+        self.aux_slots = AuxSlots(config.num_aux_slots)
+        self.engines = engines
+        self._transports: list[list[Any]] = []
+        for eng in engines:
+            eng.register("kv", pool)
+            eng.register("aux", self.aux_slots.buffer)
+            self._transports.append([eng.name, eng.start_receiver(self)])
+        self._lock = threading.Lock()  # guards _receivers
+        self._receivers: dict[int, KVReceiver] = {}
+        self._aborting: dict[int, tuple[KVReceiver, str, float]] = {}  # control loop only
+        self._peers: dict[str, _PrefillPeer] = {}  # control loop only
+        self.loop = C.ControlLoop(self._tick, min(0.05, config.heartbeat_interval_s / 4),
+                                  "kv-decode-control")
+        self._last_ping = 0.0
+        self.loop.start()
+
+    # -- scheduler-facing -----------------------------------------------------------------
+    def create_receiver(self, room: int, bootstrap_addr: str) -> KVReceiver:
+        r = KVReceiver(room, bootstrap_addr, self)
+        with self._lock:
+            if room in self._receivers:
+                raise ValueError(f"room: {room} already has a receiver")
+            self._receivers[room] = r
+        self.loop.call(lambda: self._peer(bootstrap_addr).rooms.add(room))
+        return r
+
+    def register(self, r: KVReceiver) -> None:
+        slot = self.aux_slots.alloc()
+        if slot is None:
+            r.abort(f"num_aux_slots: all {self.config.num_aux_slots} aux slots in use")
+            return
+        r.aux_slot = slot
+
+        def _go() -> None:
+            peer = self._peer(r.bootstrap_addr)
+            if peer.backend:
+                self._send_register(peer, r)
+            else:
+                peer.queued.append(r.room)
+
+        self.loop.call(_go)
+
+    def fail_room(self, r: KVReceiver, reason: str, tell_peer: bool) -> None:
+        if r.state.done:
+            return
+        if tell_peer and r.aux_slot >= 0:  # registered (or about to be): prefill must know
+
+            def _go() -> None:
+                peer = self._peers.get(r.bootstrap_addr)
+                one_sided = peer is not None and peer.backend in ("shm", "cuda_ipc")
+                if peer is not None:
+                    C_body = {"room": r.room, "reason": reason, "want_ack": one_sided}
+                    self._send(peer, C.ABORT, C_body)
+                if one_sided and r.room not in self._aborting:
+                    self._aborting[r.room] = (r, reason, time.monotonic())
+                else:
+                    self._finish_fail(r, reason)
+
+            self.loop.call(_go)
+        else:
+            self._finish_fail(r, reason)
+
+    def _finish_fail(self, r: KVReceiver, reason: str) -> None:
+        with r.lock:  # waits for a chunk being placed; afterwards nothing writes its pages
+            failed = r.state.fail(reason)
+        if failed:
+            self._release(r)
+
+    def registered_regions(self) -> list[str]:
+        return sorted({name for e in self.engines for name in e.registered})
+
+    def close(self) -> None:
+        def _bye() -> None:
+            for peer in self._peers.values():
+                self._send(peer, C.BYE, {})
+            with self._lock:
+                receivers = list(self._receivers.values())
+            for r in receivers:
+                self._finish_fail(r, "decode worker closing")
+
+        self.loop.stop(_bye)
+        for eng in self.engines:
+            eng.close()
+
+    # -- engine-facing (ReceiveHandler) ---------------------------------------------------
+    def place_chunk(self, peer: str, header: ChunkHeader, nbytes: list[int] | None,
+                    write: Callable[[list[torch.Tensor]], None]) -> bool:
+        with self._lock:
+            r = self._receivers.get(header.room)
+        if r is None:
+            return False  # late message for a finished room: dropped
+        with r.lock:
+            if r.state.done or r.room in self._aborting:
+                return False
+            err = r.check_chunk(header, nbytes, self.page_bytes)
+            if err is None:
+                r.state.advance(KVPoll.Transferring)
+                write([self.pool[d.dst_page:d.dst_page + d.num_pages] for d in header.descs])
+                complete = r.mark_arrived(header)
+        if err is not None:
+            r.abort(f"rejected chunk {header.seq}: {err}")
+            return False
+        if complete and r.state.advance(KVPoll.Success):
+            self._release(r)
+            self.loop.call(lambda: self._send_to(r.bootstrap_addr, C.ACK, {"room": r.room}))
+        return True
+
+    # -- control loop ---------------------------------------------------------------------
+    def _release(self, r: KVReceiver) -> None:
+        with self._lock:
+            self._receivers.pop(r.room, None)
+        if r.aux_slot >= 0:
+            slot, r.aux_slot = r.aux_slot, -1
+            self.aux_slots.free(slot)
+        self.loop.call(lambda: self._peers[r.bootstrap_addr].rooms.discard(r.room)
+                       if r.bootstrap_addr in self._peers else None)
+
+    def _peer(self, addr: str) -> _PrefillPeer:
+        peer = self._peers.get(addr)
+        if peer is None:
+            sock = self.loop.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, self.ident)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{addr}")
+            peer = _PrefillPeer(addr, sock, time.monotonic())
+            self._peers[addr] = peer
+            self.loop.add_socket(sock, lambda frames, p=peer: self._on_message(p, frames))
+            self._send(peer, C.HELLO, {"fingerprint": self.fingerprint.to_dict(),
+                                       "transports": self._transports})
+        return peer
+
+    def _send(self, peer: _PrefillPeer, kind: bytes, body: dict[str, Any]) -> None:
+        try:
+            peer.sock.send_multipart(C.pack(kind, body), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # queue full or closed: heartbeats decide
+
+    def _send_to(self, addr: str, kind: bytes, body: dict[str, Any]) -> None:
+        peer = self._peers.get(addr)
+        if peer is not None:
+            self._send(peer, kind, body)
+
+    def _send_register(self, peer: _PrefillPeer, r: KVReceiver) -> None:
+        if r.state.done or r.aux_slot < 0:
+            return
+        self._send(peer, C.REGISTER, {"room": r.room, "dst_pages": r.dst_pages,
+                                      "aux_slot": r.aux_slot})
+        r.state.advance(KVPoll.WaitingForInput)
+
+    def _on_message(self, peer: _PrefillPeer, frames: list[bytes]) -> None:
+        kind, body = C.unpack(frames)
+        peer.last_seen = time.monotonic()
+        if kind == C.HELLO_OK:
+            peer.backend = str(body["backend"])
+            for room in peer.queued:
+                with self._lock:
+                    r = self._receivers.get(room)
+                if r is not None:
+                    self._send_register(peer, r)
+            peer.queued.clear()
+        elif kind == C.REFUSE:
+            self._drop_peer(peer, f"prefill {peer.addr} refused: {body.get('reason')}")
+        elif kind == C.ABORT:
+            room = int(body["room"])
+            pending = self._aborting.pop(room, None)
+            with self._lock:
+                r = self._receivers.get(room)
+            if pending is not None:
+                self._finish_fail(pending[0], pending[1])
+            elif r is not None:
+                self._finish_fail(r, f"prefill aborted: {body.get('reason')}")
+        elif kind == C.NOTIFY:
+            header = ChunkHeader.from_bytes(str(body["header"]).encode())
+            self.place_chunk(peer.addr, header, None, lambda views: None)
+
+    def _drop_peer(self, peer: _PrefillPeer, reason: str) -> None:
+        self._peers.pop(peer.addr, None)
+        self.loop.remove_socket(peer.sock)
+        with self._lock:
+            rooms = [self._receivers[r] for r in peer.rooms if r in self._receivers]
+        for r in rooms:
+            self._aborting.pop(r.room, None)
+            self._finish_fail(r, reason)
+
+    def _tick(self) -> None:
+        now, cfg = time.monotonic(), self.config
+        if now - self._last_ping >= cfg.heartbeat_interval_s:
+            self._last_ping = now
+            for peer in self._peers.values():
+                self._send(peer, C.PING, {})
+        for peer in list(self._peers.values()):
+            if now - peer.last_seen > cfg.heartbeat_window_s:
+                self._drop_peer(peer, f"prefill {peer.addr} silent for "
+                                      f"{now - peer.last_seen:.1f}s (heartbeat window "
+                                      f"{cfg.heartbeat_window_s:.1f}s)")
+        for room, (r, reason, t) in list(self._aborting.items()):
+            if now - t > cfg.heartbeat_window_s:  # prefill alive but mute: give up waiting
+                del self._aborting[room]
+                self._finish_fail(r, reason)
+        with self._lock:
+            receivers = list(self._receivers.values())
+        for r in receivers:
+            st, since = r.state.status, r.state.since
+            if st == KVPoll.Bootstrapping and now - since > cfg.bootstrap_timeout_s:
+                r.abort(f"bootstrap timeout ({cfg.bootstrap_timeout_s}s)")
+            elif st == KVPoll.WaitingForInput and now - since > cfg.waiting_timeout_s:
+                r.abort(f"waiting timeout ({cfg.waiting_timeout_s}s): no pages arrived")
+            elif st == KVPoll.Transferring and now - r.state.progress > cfg.transfer_timeout_s:
+                r.abort(f"transfer timeout ({cfg.transfer_timeout_s}s)")

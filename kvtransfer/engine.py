@@ -1,0 +1,97 @@
+"""TransferEngine: the data plane that moves a chunk's page runs from a sender's pool into a
+receiver's pool. Control (bootstrap, registration, acks, heartbeats) lives in the KVManager.
+
+A sender calls `write()` from its single transfer thread; a receiver calls `start_receiver()`
+once and is told about chunks through a ReceiveHandler, which validates every header before a
+byte is placed (rejected data is never written). Backends that write one-sided (shm, cuda_ipc)
+cannot be refused by the receiver: the sender validates against the registration instead and the
+header follows over the control channel (`one_sided = True`).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from pdserve.kvtransfer.aux import AuxData
+from pdserve.kvtransfer.descriptors import Descriptor
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    room: int
+    seq: int  # chunk number within the room
+    descs: tuple[Descriptor, ...]
+    last: bool
+    aux: AuxData | None
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({
+            "room": self.room, "seq": self.seq, "descs": [d.to_list() for d in self.descs],
+            "last": self.last, "aux": self.aux.to_dict() if self.aux else None,
+        }).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> ChunkHeader:
+        d = json.loads(raw)
+        return cls(int(d["room"]), int(d["seq"]),
+                   tuple(Descriptor.from_list(x) for x in d["descs"]), bool(d["last"]),
+                   AuxData.from_dict(d["aux"]) if d.get("aux") else None)
+
+
+class ReceiveHandler(Protocol):
+    def place_chunk(self, peer: str, header: ChunkHeader, nbytes: list[int] | None,
+                    write: Callable[[list[torch.Tensor]], None]) -> bool:
+        """Validate the header against the room's registration (and the payload sizes, when
+        given); if valid, call `write(views)` with one destination view per descriptor, record
+        the arrival and return True. Invalid or late chunks are dropped (write is never called).
+        Validation, write and bookkeeping happen under the room's lock, so once a room is seen
+        Failed nothing writes its pages any more."""
+
+
+class TransferEngine(ABC):
+    """Owns registered memory regions and one transport."""
+
+    name: str = "abstract"
+    one_sided: bool = False
+
+    def __init__(self) -> None:
+        self._regions: dict[str, torch.Tensor] = {}
+
+    # -- memory regions -------------------------------------------------------------------
+    def register(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._regions:
+            raise ValueError(f"name: region {name!r} already registered")
+        self._regions[name] = tensor
+
+    def deregister(self, name: str) -> None:
+        self._regions.pop(name, None)
+
+    def region(self, name: str) -> torch.Tensor:
+        return self._regions[name]
+
+    @property
+    def registered(self) -> list[str]:
+        return sorted(self._regions)
+
+    # -- receiving side -------------------------------------------------------------------
+    @abstractmethod
+    def start_receiver(self, handler: ReceiveHandler) -> dict[str, Any]:
+        """Start accepting chunks; returns what a sender needs to reach us (JSON-able)."""
+
+    # -- sending side (one transfer thread) -----------------------------------------------
+    @abstractmethod
+    def write(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> None:
+        """Move the header's descriptors from the local "kv" region into the peer's pool.
+        Blocks until the local pages may be reused; raises on failure."""
+
+    def drop_peer(self, peer: str) -> None:
+        """Forget a peer's connection (it died or restarted)."""
+
+    def close(self) -> None:
+        """Stop threads, close sockets and mappings, deregister every region."""
+        self._regions.clear()

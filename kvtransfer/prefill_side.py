@@ -1,0 +1,283 @@
+"""Prefill half of the KVManager: the bootstrap endpoint, per-room senders, the transfer thread.
+
+Threads: the control loop owns the ROUTER (bootstrap endpoint) and the peer table; the transfer
+thread owns the engines' sending state and runs every write in submission order; scheduler
+threads call create_sender / send / poll / abort. Ownership: a room is in `_senders` from
+create_sender until it ends (Success or Failed); then only a tombstone remains, so late
+messages for it are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+from pdserve.kvtransfer import control as C
+from pdserve.kvtransfer.backends import make_engine
+from pdserve.kvtransfer.backends.shm import ShmEngine
+from pdserve.kvtransfer.config import TransferConfig
+from pdserve.kvtransfer.engine import ChunkHeader, TransferEngine
+from pdserve.kvtransfer.fingerprint import Fingerprint
+from pdserve.kvtransfer.poll import KVPoll
+from pdserve.kvtransfer.sender import KVSender
+
+log = logging.getLogger("pdserve.kvtransfer")
+
+
+@dataclass
+class _DecodePeer:
+    ident: bytes
+    backend: str
+    info: dict[str, Any]
+    last_seen: float
+    rooms: set[int] = field(default_factory=set)
+
+
+class PrefillSide:
+    def __init__(self, pool: torch.Tensor, config: TransferConfig,
+                 fingerprint: Fingerprint) -> None:
+        self.pool = pool
+        self.num_pool_pages = int(pool.shape[0])
+        self.config = config
+        self.fingerprint = fingerprint
+        self._lock = threading.Lock()  # guards _senders, _pending, _tombstones
+        self._senders: dict[int, KVSender] = {}
+        self._pending: dict[int, tuple[bytes, list[int], int, float]] = {}
+        self._tombstones: dict[int, float] = {}
+        self._peers: dict[bytes, _DecodePeer] = {}  # control loop only
+        self._engines: dict[str, TransferEngine] = {}  # transfer thread only (then close())
+        self._jobs: queue.SimpleQueue[tuple[KVSender, ChunkHeader] | bytes | None] = (
+            queue.SimpleQueue())
+        self.loop = C.ControlLoop(self._tick, min(0.05, config.heartbeat_interval_s / 4),
+                                  "kv-prefill-control")
+        self._router = self.loop.ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        host = config.bootstrap_host
+        if config.bootstrap_port:
+            self._router.bind(f"tcp://{host}:{config.bootstrap_port}")
+            port = config.bootstrap_port
+        else:
+            port = self._router.bind_to_random_port(f"tcp://{host}")
+        self.bootstrap_addr = f"{host}:{port}"
+        self.loop.add_socket(self._router, self._on_message)
+        self._xfer = threading.Thread(target=self._transfer_loop, name="kv-prefill-transfer",
+                                      daemon=True)
+        self.loop.start()
+        self._xfer.start()
+
+    # -- scheduler-facing -----------------------------------------------------------------
+    def create_sender(self, room: int) -> KVSender:
+        sender = KVSender(room, self)
+        with self._lock:
+            if room in self._senders:
+                raise ValueError(f"room: {room} already has a sender")
+            self._senders[room] = sender
+        self.loop.call(lambda: self._adopt(sender))
+        return sender
+
+    def submit(self, sender: KVSender, header: ChunkHeader) -> None:
+        self._jobs.put((sender, header))
+
+    def fail_room(self, sender: KVSender, reason: str, tell_peer: bool) -> None:
+        with sender.write_lock:  # waits for a one-sided write of this room to finish
+            if not sender.state.fail(reason):
+                return
+        self._release(sender.room)
+        if tell_peer and sender.peer is not None:
+            peer = sender.peer
+            self.loop.call(lambda: self._send(peer, C.ABORT, {"room": sender.room,
+                                                              "reason": reason}))
+
+    def registered_regions(self) -> list[str]:
+        return sorted({r for e in self._engines.values() for r in e.registered})
+
+    def close(self) -> None:
+        with self._lock:
+            senders = list(self._senders.values())
+        for s in senders:
+            s.abort("prefill worker closing")
+        self.loop.stop()
+        self._jobs.put(None)
+        self._xfer.join(timeout=10)
+
+    # -- control loop ---------------------------------------------------------------------
+    def _send(self, ident: bytes, kind: bytes, body: dict[str, Any]) -> None:
+        try:
+            self._router.send_multipart([ident, *C.pack(kind, body)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # peer gone; heartbeats will fail its rooms
+
+    def _release(self, room: int) -> None:
+        with self._lock:
+            sender = self._senders.pop(room, None)
+            self._tombstones[room] = time.monotonic()
+        if sender is not None and sender.peer is not None:
+            peer = sender.peer
+            self.loop.call(lambda: self._peers[peer].rooms.discard(room)
+                           if peer in self._peers else None)
+
+    def _adopt(self, sender: KVSender) -> None:
+        with self._lock:
+            reg = self._pending.pop(sender.room, None)
+        if reg is not None:
+            self._attach(sender, *reg[:3])
+
+    def _attach(self, sender: KVSender, ident: bytes, dst_pages: list[int], slot: int) -> None:
+        peer = self._peers.get(ident)
+        if peer is None:
+            sender.state.fail("decode peer vanished before registration")
+            self._release(sender.room)
+            return
+        sender.peer, sender.dst_pages, sender.aux_slot = ident, dst_pages, slot
+        sender.backend, sender.peer_info = peer.backend, peer.info
+        peer.rooms.add(sender.room)
+        sender.state.advance(KVPoll.WaitingForInput)
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        ident, kind, body = frames[0], *C.unpack(frames[1:])
+        now = time.monotonic()
+        peer = self._peers.get(ident)
+        if peer is not None:
+            peer.last_seen = now
+        if kind == C.HELLO:
+            self._on_hello(ident, body, now)
+        elif peer is None:
+            # A decode that knew a previous incarnation of this worker: make it re-handshake.
+            self._send(ident, C.REFUSE, {"reason": "unknown peer (prefill restarted?)"})
+        elif kind == C.PING:
+            self._send(ident, C.PONG, {})
+        elif kind == C.REGISTER:
+            room, pages, slot = int(body["room"]), [int(p) for p in body["dst_pages"]], int(
+                body["aux_slot"])
+            with self._lock:
+                sender = self._senders.get(room)
+                dead = room in self._tombstones
+                if sender is None and not dead:
+                    self._pending[room] = (ident, pages, slot, now)
+            if dead:
+                self._send(ident, C.ABORT, {"room": room, "reason": "room already finished"})
+            elif sender is not None:
+                self._attach(sender, ident, pages, slot)
+        elif kind == C.ABORT:
+            self._on_abort(ident, int(body["room"]), str(body.get("reason", "")),
+                           bool(body.get("want_ack")))
+        elif kind == C.ACK:
+            with self._lock:
+                sender = self._senders.get(int(body["room"]))
+            if sender is not None and sender.state.advance(KVPoll.Success):
+                self._release(sender.room)
+        elif kind == C.BYE:
+            self._drop_peer(peer, "decode worker closed")
+
+    def _on_hello(self, ident: bytes, body: dict[str, Any], now: float) -> None:
+        theirs = Fingerprint.from_dict(body["fingerprint"])
+        msg = self.fingerprint.mismatch(theirs, "prefill", "decode")
+        transports: list[list[Any]] = body.get("transports", [])
+        backend, info = "", {}
+        if msg is None:
+            for name, tinfo in transports:
+                if self.config.backend not in ("auto", name):
+                    continue
+                if name == "shm" and not ShmEngine.usable(tinfo):
+                    continue
+                backend, info = name, tinfo
+                break
+            else:
+                msg = (f"backend: prefill uses {self.config.backend!r}, decode offers "
+                       f"{[t[0] for t in transports]}")
+        if msg is not None:
+            self._send(ident, C.REFUSE, {"reason": msg})
+            return
+        self._peers[ident] = _DecodePeer(ident, backend, info, now)
+        self._send(ident, C.HELLO_OK, {"backend": backend})
+
+    def _on_abort(self, ident: bytes, room: int, reason: str, want_ack: bool) -> None:
+        with self._lock:
+            sender = self._senders.get(room)
+            self._pending.pop(room, None)
+            if sender is None:
+                self._tombstones[room] = time.monotonic()
+        if sender is not None:
+            self.fail_room(sender, f"decode aborted: {reason}", tell_peer=False)
+        if want_ack:  # one-sided backends: decode may reuse its pages once we confirm
+            self._send(ident, C.ABORT, {"room": room, "reason": "abort acknowledged"})
+
+    def _drop_peer(self, peer: _DecodePeer, reason: str) -> None:
+        self._peers.pop(peer.ident, None)
+        with self._lock:
+            senders = [self._senders[r] for r in peer.rooms if r in self._senders]
+            for room, reg in list(self._pending.items()):
+                if reg[0] == peer.ident:
+                    del self._pending[room]
+        for s in senders:
+            self.fail_room(s, reason, tell_peer=False)
+        self._jobs.put(peer.ident)  # the transfer thread drops the engine connection
+
+    def _tick(self) -> None:
+        now, cfg = time.monotonic(), self.config
+        for peer in list(self._peers.values()):
+            if now - peer.last_seen > cfg.heartbeat_window_s:
+                self._drop_peer(peer, f"decode peer silent for {now - peer.last_seen:.1f}s "
+                                      f"(heartbeat window {cfg.heartbeat_window_s:.1f}s)")
+        with self._lock:
+            senders = list(self._senders.values())
+            for room, reg in list(self._pending.items()):
+                if now - reg[3] > cfg.bootstrap_timeout_s:
+                    del self._pending[room]
+            for room, t in list(self._tombstones.items()):
+                if now - t > cfg.finished_room_ttl_s:
+                    del self._tombstones[room]
+        for s in senders:
+            st, since = s.state.status, s.state.since
+            if st == KVPoll.Bootstrapping and now - since > cfg.bootstrap_timeout_s:
+                s.abort(f"bootstrap timeout ({cfg.bootstrap_timeout_s}s): decode never "
+                        f"registered")
+            elif st == KVPoll.WaitingForInput and now - since > cfg.waiting_timeout_s:
+                s.abort(f"waiting timeout ({cfg.waiting_timeout_s}s): no pages sent")
+            elif (st == KVPoll.Transferring
+                  and now - s.state.progress > cfg.transfer_timeout_s):
+                s.abort(f"transfer timeout ({cfg.transfer_timeout_s}s)")
+
+    # -- transfer thread ------------------------------------------------------------------
+    def _engine(self, name: str) -> TransferEngine:
+        eng = self._engines.get(name)
+        if eng is None:
+            eng = make_engine(name, host=self.config.bootstrap_host,
+                              send_timeout_s=self.config.transfer_timeout_s)
+            eng.register("kv", self.pool)
+            self._engines[name] = eng
+        return eng
+
+    def _transfer_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                break
+            if isinstance(job, bytes):
+                for eng in self._engines.values():
+                    eng.drop_peer(job.hex())
+                continue
+            sender, header = job
+            try:
+                eng = self._engine(sender.backend)
+                with sender.write_lock:
+                    if sender.state.done:
+                        continue
+                    eng.write(sender.peer.hex(), sender.peer_info, header)  # type: ignore
+                if eng.one_sided:
+                    peer = sender.peer
+                    self.loop.call(lambda p=peer, h=header: self._send(
+                        p, C.NOTIFY, {"header": h.to_bytes().decode()}))  # type: ignore
+            except Exception as e:  # noqa: BLE001 - any transport error fails the room
+                log.warning("room %d: transfer failed: %s", sender.room, e)
+                sender.abort(f"transfer failed: {e}")
+        for eng in self._engines.values():
+            eng.close()
+        self._engines.clear()

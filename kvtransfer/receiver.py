@@ -1,0 +1,101 @@
+"""KVReceiver: the decode side of one room.
+
+Bootstrapping until the handshake with prefill is done and the destination pages are
+registered, WaitingForInput until the first chunk, Transferring until every registered page and
+the aux data arrived (then decode acknowledges and the room is Success).
+Ownership: the destination pages and the request slot belong to the decode scheduler; the
+receiver holds one aux slot from init() until the room ends, and frees it itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from pdserve.kvtransfer.aux import AuxData
+from pdserve.kvtransfer.descriptors import validate_dst
+from pdserve.kvtransfer.engine import ChunkHeader
+from pdserve.kvtransfer.poll import KVPoll, RoomState
+
+if TYPE_CHECKING:
+    from pdserve.kvtransfer.decode_side import DecodeSide
+
+
+class KVReceiver:
+    def __init__(self, room: int, bootstrap_addr: str, side: DecodeSide) -> None:
+        self.room = room
+        self.bootstrap_addr = bootstrap_addr
+        self.state = RoomState(room)
+        self._side = side
+        self.dst_pages: list[int] = []
+        self.aux_slot = -1
+        self._aux: AuxData | None = None
+        self.lock = threading.RLock()  # placement, arrival bookkeeping and failure
+        self._arrived = bytearray()
+        self._num_arrived = 0
+        self._have_aux = False
+
+    # -- scheduler-facing -----------------------------------------------------------------
+    def poll(self) -> KVPoll:
+        return self.state.status
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self.state.failure_reason
+
+    @property
+    def aux(self) -> AuxData | None:
+        """The aux data; set once poll() is Success."""
+        return self._aux
+
+    def init(self, dst_pages: list[int]) -> None:
+        """Register the destination pages (decode allocated ceil(prompt_len / page_size))."""
+        if self.dst_pages or self.state.done:
+            return
+        bad = [p for p in dst_pages if p <= 0 or p >= self._side.num_pool_pages]
+        if bad or len(set(dst_pages)) != len(dst_pages):
+            reason = f"dst_pages: outside pool [1, {self._side.num_pool_pages}) or repeated"
+            self.abort(reason)
+            raise ValueError(f"room {self.room}: {reason}")
+        with self.lock:
+            self.dst_pages = [int(p) for p in dst_pages]
+            self._arrived = bytearray(len(dst_pages))
+        self._side.register(self)
+
+    def abort(self, reason: str = "aborted by decode") -> None:
+        """Fail the room, tell prefill, release the aux slot."""
+        self._side.fail_room(self, reason, tell_peer=True)
+
+    # -- manager-facing -------------------------------------------------------------------
+    def check_chunk(self, header: ChunkHeader, nbytes: list[int] | None,
+                    page_bytes: int) -> str | None:
+        """None if the chunk writes only this room's registered pages with matching sizes."""
+        err = validate_dst(header.descs, self.dst_pages, self._side.num_pool_pages)
+        if err is not None:
+            return err
+        if nbytes is not None:
+            if len(nbytes) != len(header.descs):
+                return f"{len(nbytes)} payloads for {len(header.descs)} descriptors"
+            for d, n in zip(header.descs, nbytes):
+                if n != d.num_pages * page_bytes:
+                    return f"size {n} bytes != {d.num_pages} pages x {page_bytes} bytes"
+        if header.last and header.aux is None:
+            return "last chunk without aux data"
+        return None
+
+    def mark_arrived(self, header: ChunkHeader) -> bool:
+        """Record a placed chunk; True when every page and the aux data are here."""
+        with self.lock:
+            for d in header.descs:
+                for pos in range(d.pos, d.pos + d.num_pages):
+                    if not self._arrived[pos]:
+                        self._arrived[pos] = 1
+                        self._num_arrived += 1
+            if header.last and header.aux is not None:
+                self._side.aux_slots.write(self.aux_slot, self.room, header.aux)
+                self._have_aux = True
+            self.state.touch()
+            complete = self._have_aux and self._num_arrived == len(self.dst_pages)
+            if complete:
+                self._aux = self._side.aux_slots.read(self.aux_slot, self.room)
+            return complete and self._aux is not None
