@@ -1,0 +1,74 @@
+"""Base of the Worker gRPC servicers: Status, Abort, and the request registry by room."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import grpc
+
+from pdserve.engine.scheduler_thread import SchedulerThread
+from pdserve.engine.worker_common import load_message
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+
+
+class WorkerServiceBase(pb_grpc.WorkerServicer):
+    role = "worker"
+
+    def __init__(self, thread: SchedulerThread, model_config, memory, model_name: str,
+                 transfer_backend: str = "") -> None:
+        self.thread = thread
+        self.model_config = model_config
+        self.memory = memory
+        self.model_name = model_name
+        self.transfer_backend = transfer_backend
+        self.address = ""
+        self.bootstrap_addr = ""
+        self.draining = False
+        self.worker_id = f"{self.role}-{secrets.token_hex(4)}"
+        self.rid_by_room: dict[int, str] = {}
+        self.live: set[str] = set()  # request ids between arrival and the end of their RPC
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def info(self) -> pb.WorkerInfo:
+        return pb.WorkerInfo(
+            worker_id=self.worker_id, role=self.role, address=self.address,
+            bootstrap_addr=self.bootstrap_addr, model=self.model_name,
+            state="draining" if self.draining else "healthy", load=self.load(),
+            page_size=self.memory.page_size, max_context_len=self.memory.max_context_len,
+            transfer_backend=self.transfer_backend)
+
+    def load(self) -> pb.WorkerLoad:
+        return load_message(self.thread.snapshot)
+
+    def submit_abort(self, rid: str, reason: str) -> None:
+        sched = self.thread.scheduler
+        self.thread.submit(lambda: sched.abort(rid, reason))
+
+    async def check_serving(self, context: grpc.aio.ServicerContext) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+        if self.thread.error is not None or not self.thread.alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"scheduler stopped: {self.thread.error!r}")
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.live and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.live
+
+    # ---- RPCs --------------------------------------------------------------------------------
+
+    async def Status(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
+        return pb.StatusResponse(info=self.info())
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        rid = request.request_id or self.rid_by_room.get(request.room, "")
+        found = bool(rid) and rid in self.live
+        if rid:
+            self.submit_abort(rid, request.reason or "aborted by router")
+        return pb.AbortResponse(found=found)
