@@ -1,0 +1,162 @@
+"""`pdserve up`: a router plus N prefill and M decode workers as processes on this machine.
+
+Prints one line containing `ready` and the URL once every worker has registered with the
+router; Ctrl-C / SIGTERM drains the workers, stops the router, and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    ready: dict[str, str]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve up", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--mixed", type=int, default=0, help="colocated workers (no transfer)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (GPUs assigned round-robin)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port of the router (0 = free)")
+    p.add_argument("--grpc-port", type=int, default=0)
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--router-arg", action="append", default=[], help="extra router flag")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag")
+    return p
+
+
+def _spawn(name: str, argv: list[str], env: dict[str, str]) -> Proc:
+    popen = subprocess.Popen([sys.executable, "-m", "pdserve", *argv], stdout=subprocess.PIPE,
+                             text=True, env=env, start_new_session=True)
+    return Proc(name, popen, {})
+
+
+def _await_ready(proc: Proc, prefix: str, deadline: float) -> dict[str, str]:
+    """Read stdout until the `<prefix> ready k=v ...` line; then echo the rest in a thread."""
+    assert proc.popen.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.popen.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.wait()} before ready")
+        if line.startswith(f"{prefix} ready"):
+            fields = dict(kv.split("=", 1) for kv in line.split()[2:] if "=" in kv)
+            threading.Thread(target=_echo, args=(proc,), daemon=True).start()
+            return fields
+        sys.stdout.write(line)
+    raise RuntimeError(f"{proc.name}: not ready in time")
+
+
+def _echo(proc: Proc) -> None:
+    for line in proc.popen.stdout:  # type: ignore[union-attr]
+        sys.stdout.write(f"[{proc.name}] {line}")
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
+
+
+def _stop_all(procs: list[Proc], timeout_s: float = 30.0) -> None:
+    """Workers drain first (SIGTERM, deregister), then the router; SIGKILL past the timeout."""
+    workers = [p for p in procs if p.name != "router"]
+    routers = [p for p in procs if p.name == "router"]
+    for group in (workers, routers):
+        for p in group:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in group:
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+                p.popen.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if min(args.prefill, args.decode, args.mixed) < 0 or args.prefill + args.decode + \
+            args.mixed == 0:
+        print("pdserve up: error: need at least one worker", file=sys.stderr)
+        return 2
+    if (args.prefill == 0) != (args.decode == 0):
+        print("pdserve up: error: --prefill and --decode go together", file=sys.stderr)
+        return 2
+    if args.model is None:
+        from pdserve.engine.default_model import default_model_path
+
+        args.model = default_model_path()  # fetch once here, not in every worker at once
+    env = dict(os.environ)
+    procs: list[Proc] = []
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    deadline = time.monotonic() + args.ready_timeout
+    try:
+        router = _spawn("router", ["router", "--host", args.host, "--port", str(args.port),
+                                   "--grpc-port", str(args.grpc_port), "--model", args.model,
+                                   *args.router_arg], env)
+        procs.append(router)
+        ready = _await_ready(router, "router", deadline)
+        grpc_addr, http = ready["grpc"], ready["http"]
+        roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["mixed"] * args.mixed
+        gpus = _gpu_count() if args.device.startswith("cuda") else 0
+        for i, role in enumerate(roles):
+            wenv = dict(env)
+            if gpus:
+                wenv["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+            proc = _spawn(f"{role}-{i}", [role, "--model", args.model, "--device", args.device,
+                                          "--host", args.host, "--router", grpc_addr,
+                                          *args.worker_arg], wenv)
+            procs.append(proc)
+        for proc in procs[1:]:
+            proc.ready = _await_ready(proc, "worker", deadline)
+        _wait_registered(http, len(roles), deadline)
+        print(f"pdserve ready {http} prefill={args.prefill} decode={args.decode} "
+              f"mixed={args.mixed}", flush=True)
+        while not stop.is_set():
+            dead = [p for p in procs if p.popen.poll() is not None]
+            if dead:
+                print(f"pdserve up: {dead[0].name} exited with {dead[0].popen.returncode}",
+                      file=sys.stderr)
+                return 1
+            stop.wait(0.5)
+        return 0
+    except RuntimeError as e:
+        print(f"pdserve up: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        _stop_all(procs)
+
+
+def _wait_registered(http: str, count: int, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{http}/workers", timeout=5) as resp:
+                workers = json.load(resp)["workers"]
+            if sum(1 for w in workers if w.get("state") == "healthy") >= count:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"workers did not all register with the router at {http}")
