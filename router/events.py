@@ -1,0 +1,79 @@
+"""What the request flow hands to its front ends (gRPC Generate, the HTTP gateway)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.proto import pdserve_pb2 as pb
+
+TIMING_FIELDS = ("queue_ms", "bootstrap_ms", "prefill_ms", "transfer_ms", "decode_ms", "ttft_ms")
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's logprob and its top alternatives (token id, text, logprob)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def to_proto(self) -> pb.Usage:
+        return pb.Usage(prompt_tokens=self.prompt_tokens,
+                        completion_tokens=self.completion_tokens,
+                        cached_tokens=self.cached_tokens)
+
+
+@dataclass
+class FlowEvent:
+    """A piece of one request's output. The last event has `finish_reason` (and usage, timings),
+    or `error` when the workers failed after output had already reached the client."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timings: dict[str, float] | None = None
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    error: str | None = None
+
+    def to_proto(self) -> pb.GenerateResponse:
+        chunk = pb.TokenChunk(token_ids=self.token_ids)
+        if self.logprobs:
+            chunk.logprobs.extend(lp.logprob for lp in self.logprobs)
+            if any(lp.top for lp in self.logprobs):
+                for lp in self.logprobs:
+                    chunk.top_logprobs.add(token_ids=[t[0] for t in lp.top],
+                                           logprobs=[t[2] for t in lp.top])
+        msg = pb.GenerateResponse(request_id=self.request_id, chunk=chunk, text=self.text,
+                                  finish_reason=self.finish_reason or "",
+                                  prefill_worker=self.prefill_worker,
+                                  decode_worker=self.decode_worker)
+        if self.usage is not None:
+            msg.usage.CopyFrom(self.usage.to_proto())
+        if self.timings is not None:
+            msg.timings.CopyFrom(pb.StageTimings(**self.timings))
+        return msg
+
+
+def timings_to_dict(t: pb.StageTimings) -> dict[str, float]:
+    return {name: getattr(t, name) for name in TIMING_FIELDS}
+
+
+def merge_timings(*parts: dict[str, float]) -> dict[str, float]:
+    """Sum stage by stage: each stage is filled by whoever measured it."""
+    out = dict.fromkeys(TIMING_FIELDS, 0.0)
+    for part in parts:
+        for name in TIMING_FIELDS:
+            out[name] += part.get(name, 0.0)
+    return out

@@ -1,0 +1,78 @@
+"""Run several request flows at once (n > 1, batched prompts) as one merged event stream.
+
+`prime()` waits until every flow produced its first event (or ended), so errors that happen
+before any output (validation, no workers, failed after the retry) become one HTTP error
+instead of a half-written stream. After that a flow only ends with an error *event*.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from pdserve.router.errors import RouterError
+from pdserve.router.events import FlowEvent
+
+_END = object()
+log = logging.getLogger(__name__)
+
+
+class FanOut:
+    def __init__(self, streams: list[AsyncIterator[FlowEvent]]) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._num = len(streams)
+        self._tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
+        self._buffer: list[tuple[int, FlowEvent]] = []
+        self._ended: set[int] = set()
+
+    async def _pump(self, index: int, stream: AsyncIterator[FlowEvent]) -> None:
+        try:
+            async with contextlib.aclosing(stream) as events:
+                async for event in events:
+                    await self._queue.put((index, event))
+            await self._queue.put((index, _END))
+        except RouterError as e:
+            await self._queue.put((index, e))
+        except Exception as e:  # a bug must end the stream, not hang it
+            log.exception("request flow failed")
+            await self._queue.put((index, RouterError(f"internal error: {type(e).__name__}")))
+
+    async def _next(self) -> tuple[int, object]:
+        item = await self._queue.get()
+        if isinstance(item[1], RouterError):
+            raise item[1]
+        return item
+
+    async def prime(self) -> None:
+        """Raise the first RouterError of any flow before it has produced output."""
+        started: set[int] = set()
+        try:
+            while len(started) < self._num:
+                index, item = await self._next()
+                started.add(index)
+                if item is _END:
+                    self._ended.add(index)
+                else:
+                    self._buffer.append((index, item))
+        except BaseException:
+            await self.close()
+            raise
+
+    async def events(self) -> AsyncIterator[tuple[int, FlowEvent]]:
+        for item in self._buffer:
+            yield item
+        self._buffer.clear()
+        while len(self._ended) < self._num:
+            index, item = await self._next()
+            if item is _END:
+                self._ended.add(index)
+            else:
+                yield index, item
+
+    async def close(self) -> None:
+        """Cancel what still runs; each flow's cleanup sends its Aborts."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

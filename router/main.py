@@ -1,0 +1,90 @@
+"""`pdserve router ...`: run the router (gRPC Router service + OpenAI HTTP gateway).
+
+When serving it prints exactly one line, flushed, for launchers to parse:
+    router ready http=http://HOST:PORT grpc=HOST:PORT
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from pdserve.router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
+from pdserve.router.server import RouterServer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve router", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="HTTP port (0 = any free port)")
+    p.add_argument("--grpc-port", type=int, default=0, help="gRPC port (0 = any free port)")
+    p.add_argument("--prefill", action="append", default=[], metavar="ADDR",
+                   help="prefill worker gRPC address HOST:PORT (repeatable)")
+    p.add_argument("--decode", action="append", default=[], metavar="ADDR",
+                   help="decode worker gRPC address (repeatable)")
+    p.add_argument("--mixed", action="append", default=[], metavar="ADDR",
+                   help="mixed (prefill+decode) worker gRPC address (repeatable)")
+    p.add_argument("--model", default=None, help="model path (HF dir or .gguf) for the tokenizer")
+    p.add_argument("--served-model-name", default=None, help="model name clients use")
+    p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="round_robin")
+    p.add_argument("--decode-policy", choices=DECODE_POLICIES, default="round_robin")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1")
+    p.add_argument("--registration-secret", default=None,
+                   help="secret workers must present to register")
+    p.add_argument("--heartbeat-interval", type=float, default=2.0, metavar="S")
+    p.add_argument("--lease", type=float, default=10.0, metavar="S")
+    p.add_argument("--health-check-interval", type=float, default=2.0, metavar="S")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--retries", type=int, default=1)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        host=args.host, http_port=args.port, grpc_port=args.grpc_port,
+        prefill_addrs=tuple(args.prefill), decode_addrs=tuple(args.decode),
+        mixed_addrs=tuple(args.mixed), model_path=args.model,
+        served_model_name=args.served_model_name, prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy, api_key=args.api_key,
+        registration_secret=args.registration_secret,
+        heartbeat_interval_s=args.heartbeat_interval, lease_s=args.lease,
+        health_check_interval_s=args.health_check_interval,
+        request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
+        retries=args.retries)
+
+
+async def serve(config: RouterConfig) -> None:
+    server = RouterServer(config, install_signal_handlers=True)
+    await server.start()
+    try:
+        print(server.ready_line, flush=True)
+        await server.wait()
+    finally:
+        await server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        pass
+    except OSError as e:
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""One request through the workers: pick (P, D), room, Prefill + Decode, relay, retry, abort.
+
+Invariants:
+- Every attempt that did not end with the decode worker reporting a finish sends Abort (room +
+  request_id) to both legs: on stop strings, client disconnect, cancellation, a failed leg.
+- A failure before the first token reached the caller is retried (`config.retries` times) with
+  a fresh pair and a fresh room; after that the stream ends with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from pdserve.engine.stop import TextStream
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.router.attempt import Attempt, LegFailure
+from pdserve.router.config import RouterConfig
+from pdserve.router.convert import sampling_to_proto
+from pdserve.router.errors import NoWorkers, RequestTimeout, UpstreamFailed
+from pdserve.router.events import FlowEvent
+from pdserve.router.policies import Policy
+from pdserve.router.prepare import PreparedRequest, eos_token_ids
+from pdserve.router.registry import Registry, WorkerEntry
+
+log = logging.getLogger(__name__)
+
+
+class RequestFlow:
+    """Runs requests; `run` is an async generator of FlowEvents (close it to cancel)."""
+
+    def __init__(self, config: RouterConfig, registry: Registry, prefill_policy: Policy,
+                 decode_policy: Policy, tokenizer: Any, metrics: Any = None) -> None:
+        self.config = config
+        self.registry = registry
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.eos_ids = eos_token_ids(tokenizer)
+        self._active: dict[str, asyncio.Event] = {}
+        self._background: set[asyncio.Task] = set()
+
+    def pick(self, input_ids: list[int],
+             exclude: set[str] = frozenset()) -> tuple[WorkerEntry | None, WorkerEntry]:
+        """A (prefill, decode) pair, or (None, mixed worker) when no pair is available."""
+        def pool(role: str) -> list[WorkerEntry]:
+            live = self.registry.available(role)
+            fresh = [w for w in live if w.worker_id not in exclude]
+            return fresh or live
+
+        prefill, decode = pool("prefill"), pool("decode")
+        if prefill and decode:
+            return (self.prefill_policy.pick(prefill, input_ids),
+                    self.decode_policy.pick(decode, input_ids))
+        mixed = pool("mixed")
+        if mixed:
+            return None, self.decode_policy.pick(mixed, input_ids)
+        roles = {w.role: w.state for w in self.registry.all()}
+        raise NoWorkers(f"no workers available to serve the request (workers: {roles or 'none'})",
+                        code="no_workers")
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running request by id (Router.Abort); its stream ends with "abort"."""
+        event = self._active.get(request_id)
+        if event is None:
+            return False
+        event.set()
+        return True
+
+    async def run(self, req: PreparedRequest) -> AsyncIterator[FlowEvent]:
+        if req.request_id in self._active:
+            from pdserve.router.errors import InvalidRequest
+
+            raise InvalidRequest(f"request_id: {req.request_id!r} is already running",
+                                 param="request_id")
+        abort_event = asyncio.Event()
+        self._active[req.request_id] = abort_event
+        exclude: set[str] = set()
+        try:
+            for attempt_no in range(self.config.retries + 1):
+                prefill, decode = self.pick(req.input_ids, exclude)
+                attempt = self._make_attempt(req, prefill, decode, abort_event)
+                try:
+                    async with contextlib.aclosing(attempt.stream()) as events:
+                        async for event in events:
+                            yield event
+                    return
+                except LegFailure as failure:
+                    self._note_failure(failure)
+                    exclude.add(failure.worker.worker_id)
+                    last = attempt_no == self.config.retries
+                    if attempt.sent_tokens:
+                        yield FlowEvent(request_id=req.request_id, error=failure.message(),
+                                        prefill_worker=attempt.prefill_addr,
+                                        decode_worker=decode.address)
+                        return
+                    if last:
+                        if failure.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                            raise RequestTimeout(failure.message(), code="timeout") from None
+                        raise UpstreamFailed(failure.message(), code="worker_failed") from None
+                    log.warning("request %s: %s; retrying with a fresh pair", req.request_id,
+                                failure.message())
+                    if self.metrics is not None:
+                        self.metrics.on_retry()
+        finally:
+            self._active.pop(req.request_id, None)
+
+    def _make_attempt(self, req: PreparedRequest, prefill: WorkerEntry | None,
+                      decode: WorkerEntry, abort_event: asyncio.Event) -> Attempt:
+        room = secrets.randbits(63)
+        sampling = sampling_to_proto(req.sampling)
+        prefill_req = None
+        if prefill is not None:
+            prefill_req = pb.PrefillRequest(request_id=req.request_id, input_ids=req.input_ids,
+                                            sampling=sampling, room=room,
+                                            decode_addr=decode.address)
+        decode_req = pb.DecodeRequest(
+            request_id=req.request_id, input_ids=req.input_ids, sampling=sampling, room=room,
+            bootstrap_addr=prefill.bootstrap_addr if prefill is not None else "")
+        text = TextStream.from_params(self.tokenizer, req.sampling, self.eos_ids, req.input_ids)
+        return Attempt(flow=self, req=req, prefill=prefill, decode=decode, room=room,
+                       prefill_req=prefill_req, decode_req=decode_req, text=text,
+                       abort_event=abort_event, dispatch=time.monotonic())
+
+    def _note_failure(self, failure: LegFailure) -> None:
+        if failure.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self.registry.report_failure(failure.worker)
+
+    def send_aborts(self, room: int, request_id: str, workers: list[WorkerEntry],
+                    reason: str) -> None:
+        """Fire-and-forget Abort to each leg; safe to call from a cancelled task's cleanup."""
+        for worker in workers:
+            stub = worker.stub
+            if stub is None:
+                continue
+            msg = pb.AbortRequest(request_id=request_id, room=room, reason=reason)
+            task = asyncio.get_running_loop().create_task(self._abort_one(stub, worker, msg))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _abort_one(self, stub: Any, worker: WorkerEntry, msg: pb.AbortRequest) -> None:
+        try:
+            await stub.Abort(msg, timeout=self.config.health_check_timeout_s)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            log.info("abort of room %d on %s failed: %s", msg.room, worker.address, e)
+
+    async def drain_background(self) -> None:
+        """Wait for in-flight Abort RPCs (shutdown, tests)."""
+        if self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
