@@ -1,0 +1,171 @@
+"""A KVManager in a child process, driven over a pipe: the second process of the integration
+tests and of `pdserve kvbench`.
+
+`PeerProcess(role, pool_spec, config)` spawns the child (multiprocessing "spawn", so it shares
+nothing with the parent but the pipe) and `call(op, *args)` runs one operation there.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+from pdserve.kvtransfer.aux import AuxData
+from pdserve.kvtransfer.config import TransferConfig
+from pdserve.kvtransfer.fingerprint import Fingerprint
+from pdserve.kvtransfer.manager import KVManager
+from pdserve.kvtransfer.poll import KVPoll
+from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    num_pages: int
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    seed: int | None = None  # random content from this seed; None = zeros
+    shm: bool = False  # allocate in shared memory (decode side of the shm backend)
+    device: str = "cpu"
+    model: str = "test-model"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_pages, self.num_layers, 2, self.page_size, self.num_kv_heads,
+                self.head_dim)
+
+    @property
+    def page_bytes(self) -> int:
+        return (self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
+                * torch.empty((), dtype=getattr(torch, self.dtype)).element_size())
+
+    def fingerprint(self) -> Fingerprint:
+        return Fingerprint(self.model, self.num_layers, self.num_kv_heads, self.head_dim,
+                           self.page_size, self.dtype)
+
+
+def make_pool(spec: PoolSpec) -> tuple[torch.Tensor, ShmPoolBuffer | None]:
+    """The pool tensor for a spec (random from its seed, bit-reproducible) and its shm owner."""
+    dtype = getattr(torch, spec.dtype)
+    shm = ShmPoolBuffer(spec.shape, dtype) if spec.shm else None
+    pool = shm.tensor if shm is not None else torch.zeros(spec.shape, dtype=dtype,
+                                                          device=spec.device)
+    if spec.seed is not None:
+        g = torch.Generator().manual_seed(spec.seed)
+        # Fill page by page: no full-size temporary.
+        for i in range(spec.num_pages):
+            pool[i].copy_(torch.randn(spec.shape[1:], generator=g).to(dtype))
+    return pool, shm
+
+
+def page_checksum(pool: torch.Tensor, pages: list[int]) -> int:
+    """Order-sensitive checksum of the given pages' bytes."""
+    total = 0
+    for k, p in enumerate(pages):
+        words = pool[p].reshape(-1).view(torch.int16).to(torch.int64)
+        total = (total * 1000003 + int(words.sum()) + k) % (1 << 61)
+    return total
+
+
+def _serve(conn: Connection, role: str, spec: PoolSpec, cfg: dict[str, Any]) -> None:
+    pool, shm = make_pool(spec)
+    mgr = KVManager(role, shm if shm is not None else pool, TransferConfig(**cfg),  # type: ignore
+                    spec.fingerprint())
+    rooms: dict[int, Any] = {}
+    conn.send(("ok", mgr.bootstrap_addr if role == "prefill" else None))
+    while True:
+        op, args = conn.recv()
+        try:
+            if op == "close":
+                mgr.close()
+                out: Any = mgr.registered_regions()
+                if shm is not None:
+                    shm.close()
+                conn.send(("ok", out))
+                return
+            out = _op(mgr, rooms, pool, op, args)
+            conn.send(("ok", out))
+        except Exception as e:  # noqa: BLE001 - reported to the parent
+            conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _op(mgr: KVManager, rooms: dict[int, Any], pool: torch.Tensor, op: str,
+        args: tuple[Any, ...]) -> Any:
+    if op == "create_sender":
+        rooms[args[0]] = mgr.create_sender(args[0])
+    elif op == "create_receiver":
+        rooms[args[0]] = mgr.create_receiver(args[0], args[1])
+    elif op == "init":
+        rooms[args[0]].init(args[1])
+    elif op == "send":
+        room, src, start, last, aux = args
+        rooms[room].send(src, start, last, AuxData(*aux) if aux else None)
+    elif op == "poll":
+        r = rooms[args[0]]
+        return int(r.poll()), r.failure_reason
+    elif op == "wait":  # until status >= target or Failed, or timeout
+        room, target, timeout = args
+        r, t0 = rooms[room], time.monotonic()
+        while r.poll() != KVPoll.Failed and r.poll() < target and time.monotonic() - t0 < timeout:
+            time.sleep(0.001)
+        return int(r.poll()), r.failure_reason
+    elif op == "abort":
+        rooms[args[0]].abort(args[1])
+    elif op == "aux":
+        a = rooms[args[0]].aux
+        return None if a is None else (a.first_token_id, a.first_logprob, a.cached_tokens)
+    elif op == "checksum":
+        return page_checksum(pool, args[0])
+    elif op == "registered":
+        return mgr.registered_regions()
+    else:
+        raise ValueError(f"op: unknown {op!r}")
+    return None
+
+
+class PeerProcess:
+    """A child process holding one KVManager; `call()` is synchronous."""
+
+    def __init__(self, role: str, spec: PoolSpec, config: TransferConfig,
+                 start_timeout_s: float = 60.0) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, role, spec, asdict(config)),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        if not self._conn.poll(start_timeout_s):
+            self.kill()
+            raise TimeoutError("peer process did not start")
+        _, self.bootstrap_addr = self._conn.recv()
+
+    def call(self, op: str, *args: Any, timeout_s: float = 60.0) -> Any:
+        self._conn.send((op, args))
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"peer op {op} timed out")
+        status, out = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(out)
+        return out
+
+    def close(self) -> list[str]:
+        """Close the child's manager (returns its regions still registered: should be [])."""
+        try:
+            out = self.call("close", timeout_s=30)
+        finally:
+            self.proc.join(timeout=10)
+            self.kill()
+        return out
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=10)
+        self._conn.close()
