@@ -107,7 +107,7 @@ class ControlLoop:
                 handler = self._handlers.get(sock)
                 if handler is None:
                     continue
-                while True:  # drain: one poll wake-up may cover many messages
+                while sock in self._handlers:  # drain (a handler may remove its socket)
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:

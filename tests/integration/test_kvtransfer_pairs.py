@@ -8,12 +8,11 @@ import time
 
 import pytest
 import torch
-
 from pdserve.kvtransfer import AuxData, KVManager, KVPoll, TransferConfig
 from pdserve.kvtransfer.peer import PeerProcess, PoolSpec, make_pool
 
 BACKENDS = ["tcp", "shm", "ucx"]
-HB = dict(heartbeat_interval_s=0.2, heartbeat_misses=3)  # 0.6 s window
+HB = {"heartbeat_interval_s": 0.2, "heartbeat_misses": 3}  # 0.6 s window
 
 
 def _cfg(backend: str, **kw: float) -> TransferConfig:
@@ -21,7 +20,7 @@ def _cfg(backend: str, **kw: float) -> TransferConfig:
 
 
 def _spec(seed: int | None, shm: bool = False, **kw: int) -> PoolSpec:
-    base = dict(num_pages=48, num_layers=3, page_size=4, num_kv_heads=2, head_dim=8)
+    base = {"num_pages": 48, "num_layers": 3, "page_size": 4, "num_kv_heads": 2, "head_dim": 8}
     return PoolSpec(**{**base, **kw}, seed=seed, shm=shm)  # type: ignore[arg-type]
 
 
