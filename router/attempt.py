@@ -92,6 +92,8 @@ class Attempt:
                 if msg.finish_reason:
                     finished_by_worker = True
                 if self.text.finished:
+                    for w in legs:
+                        self.flow.registry.report_success(w)
                     if prefill_task is not None and not prefill_task.done():
                         await asyncio.wait({prefill_task}, timeout=PREFILL_GRACE_S)
                         if prefill_task.done():

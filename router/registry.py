@@ -26,6 +26,7 @@ from pdserve.router.convert import load_to_dict
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed")
+FAILURES_TO_EJECT = 3
 
 
 @dataclass(eq=False)
@@ -46,6 +47,7 @@ class WorkerEntry:
     lease_deadline: float | None = None
     draining: bool = False
     inflight: int = 0
+    consecutive_failures: int = 0
     channel: grpc.aio.Channel | None = None
     stub: pb_grpc.WorkerStub | None = None
 
@@ -164,11 +166,16 @@ class Registry:
             asyncio.get_running_loop().create_task(channel.close(grace=1.0))
 
     def report_failure(self, entry: WorkerEntry) -> None:
-        """A request RPC found the worker unreachable: out of rotation until health passes."""
-        if entry.state == "healthy":
-            log.warning("worker %s (%s) failed a request; out of rotation", entry.worker_id,
-                        entry.address)
+        """A request RPC failed on the worker; after FAILURES_TO_EJECT in a row it leaves
+        rotation until its health check passes (a circuit breaker between health rounds)."""
+        entry.consecutive_failures += 1
+        if entry.consecutive_failures >= FAILURES_TO_EJECT and entry.state == "healthy":
+            log.warning("worker %s (%s) failed %d requests in a row; out of rotation",
+                        entry.worker_id, entry.address, entry.consecutive_failures)
             entry.state = "unhealthy"
+
+    def report_success(self, entry: WorkerEntry) -> None:
+        entry.consecutive_failures = 0
 
     # ------------------------------------------------------------------ health
     async def start(self) -> None:
@@ -227,7 +234,9 @@ class Registry:
         entry.update_info(status.info)
         if not serving:
             entry.state = "unhealthy"
-        elif entry.draining or status.info.state == "draining":
+            return
+        entry.consecutive_failures = 0
+        if entry.draining or status.info.state == "draining":
             entry.state = "draining"
         else:
             entry.state = "healthy"

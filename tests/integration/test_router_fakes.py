@@ -1,0 +1,132 @@
+"""A deterministic Worker gRPC double for router tests (no tests here; imported by others).
+
+It emits a fixed token sequence (cycled) up to max_tokens, records every call and every Abort,
+and fails on demand: the next N Prefill/Decode calls, a Decode after K tokens, or its health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+
+
+@dataclass
+class FakeWorker(pb_grpc.WorkerServicer):
+    role: str = "prefill"
+    tokens: list[int] = field(default_factory=lambda: [5, 6, 7])
+    eos_id: int | None = None
+    max_context_len: int = 4096
+    token_delay_s: float = 0.0
+    cached_tokens: int = 3
+    fail_prefill: int = 0  # the next N Prefill calls fail with UNAVAILABLE
+    fail_decode: int = 0  # the next N Decode calls fail before any token
+    fail_decode_after: int | None = None  # Decode fails after this many tokens
+    load: pb.WorkerLoad = field(default_factory=lambda: pb.WorkerLoad(kv_pages_total=100,
+                                                                      kv_pages_free=90))
+    prefill_requests: list[pb.PrefillRequest] = field(default_factory=list)
+    decode_requests: list[pb.DecodeRequest] = field(default_factory=list)
+    aborts: list[pb.AbortRequest] = field(default_factory=list)
+    decode_cancelled: int = 0
+    port: int = 0
+    _server: grpc.aio.Server | None = None
+    _health: health.aio.HealthServicer | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> FakeWorker:
+        self._server = grpc.aio.server()
+        pb_grpc.add_WorkerServicer_to_server(self, self._server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+        await self.set_serving(True)
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=None)
+            self._server = None
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._health.set("", status)
+
+    def info(self) -> pb.WorkerInfo:
+        return pb.WorkerInfo(role=self.role, address=self.address,
+                             bootstrap_addr=f"127.0.0.1:{self.port + 1}" if self.role == "prefill"
+                             else "", model="tiny", load=self.load, page_size=16,
+                             max_context_len=self.max_context_len, transfer_backend="fake")
+
+    async def Status(self, request, context):
+        return pb.StatusResponse(info=self.info())
+
+    async def Prefill(self, request, context):
+        self.prefill_requests.append(request)
+        if self.fail_prefill > 0:
+            self.fail_prefill -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "injected prefill failure")
+        return pb.PrefillResponse(
+            request_id=request.request_id, first=pb.TokenChunk(token_ids=self.tokens[:1]),
+            cached_tokens=self.cached_tokens,
+            timings=pb.StageTimings(queue_ms=1.0, bootstrap_ms=2.0, prefill_ms=3.0))
+
+    async def Decode(self, request, context):
+        self.decode_requests.append(request)
+        if self.fail_decode > 0:
+            self.fail_decode -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "injected decode failure")
+        sp = request.sampling
+        max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 16
+        want_lp = sp.HasField("logprobs")
+        try:
+            for i in range(max_tokens):
+                if self.fail_decode_after is not None and i == self.fail_decode_after:
+                    await context.abort(grpc.StatusCode.INTERNAL, "injected mid-stream failure")
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                tid = self.tokens[i % len(self.tokens)]
+                chunk = pb.TokenChunk(token_ids=[tid])
+                if want_lp:
+                    chunk.logprobs.append(-0.5)
+                    if sp.logprobs > 0:
+                        alts = [tid] + [t for t in self.tokens if t != tid][: sp.logprobs - 1]
+                        chunk.top_logprobs.add(token_ids=alts, logprobs=[-0.5] * len(alts))
+                last = i == max_tokens - 1
+                stop = self.eos_id is not None and tid == self.eos_id and not sp.ignore_eos
+                msg = pb.DecodeResponse(request_id=request.request_id, chunk=chunk)
+                if last or stop:
+                    msg.finish_reason = "stop" if stop else "length"
+                    msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(request.input_ids),
+                                                completion_tokens=i + 1))
+                    msg.timings.CopyFrom(pb.StageTimings(transfer_ms=4.0, decode_ms=5.0,
+                                                         ttft_ms=6.0))
+                yield msg
+                if last or stop:
+                    return
+        except asyncio.CancelledError:
+            self.decode_cancelled += 1
+            raise
+
+    async def Abort(self, request, context):
+        self.aborts.append(request)
+        return pb.AbortResponse(found=True)
+
+
+async def wait_for(pred, timeout: float = 3.0, step: float = 0.02) -> bool:
+    """Poll `pred()` until true or the timeout passes."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while loop.time() < end:
+        if pred():
+            return True
+        await asyncio.sleep(step)
+    return bool(pred())
