@@ -10,9 +10,12 @@ import asyncio
 from dataclasses import dataclass, field
 
 import grpc
+import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.config import RouterConfig
+from pdserve.router.server import RouterServer
 
 
 @dataclass
@@ -130,3 +133,47 @@ async def wait_for(pred, timeout: float = 3.0, step: float = 0.02) -> bool:
             return True
         await asyncio.sleep(step)
     return bool(pred())
+
+
+WORDS = " The capital of France is Paris. hello world"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: str):
+    from pdserve.engine.loader import load_tokenizer as _load_tokenizer
+
+    return _load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture
+async def cluster(tokenizer):
+    """Factory: cluster(num_prefill=1, num_decode=1, num_mixed=0, **config) -> (router, fakes)."""
+    started: list = []
+
+    async def make(num_prefill: int = 1, num_decode: int = 1, num_mixed: int = 0,
+                   worker_kw: dict | None = None, **cfg):
+        ids = tokenizer.encode(WORDS, add_special_tokens=False)
+        fakes = {"prefill": [], "decode": [], "mixed": []}
+        for role, num in (("prefill", num_prefill), ("decode", num_decode), ("mixed", num_mixed)):
+            for _ in range(num):
+                kw = {"tokens": list(ids), "eos_id": 2, **(worker_kw or {})}
+                fake = await FakeWorker(role=role, **kw).start()
+                started.append(fake)
+                fakes[role].append(fake)
+        cfg.setdefault("health_check_interval_s", 0.2)
+        cfg.setdefault("health_check_timeout_s", 0.5)
+        config = RouterConfig(
+            prefill_addrs=tuple(f.address for f in fakes["prefill"]),
+            decode_addrs=tuple(f.address for f in fakes["decode"]),
+            mixed_addrs=tuple(f.address for f in fakes["mixed"]),
+            served_model_name="tiny", **cfg)
+        router = RouterServer(config, tokenizer=tokenizer)
+        await router.start()
+        started.append(router)
+        return router, fakes
+
+    yield make
+    for obj in reversed(started):
+        await obj.stop()
+
+

@@ -1,4 +1,5 @@
 """The router's OpenAI gateway against Worker doubles on loopback: happy paths, retries, aborts."""
+# ruff: noqa: F811  (pytest fixtures imported from test_router_fakes)
 
 from __future__ import annotations
 
@@ -6,50 +7,8 @@ import json
 
 import httpx
 import openai
-import pytest
-from pdserve.engine.loader import load_tokenizer
-from pdserve.router.config import RouterConfig
 from pdserve.router.server import RouterServer
-from test_router_fakes import FakeWorker, wait_for
-
-WORDS = " The capital of France is Paris. hello world"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: str):
-    return load_tokenizer(tiny_model_dir)
-
-
-@pytest.fixture
-async def cluster(tokenizer):
-    """Factory: cluster(num_prefill=1, num_decode=1, num_mixed=0, **config) -> (router, fakes)."""
-    started: list = []
-
-    async def make(num_prefill: int = 1, num_decode: int = 1, num_mixed: int = 0,
-                   worker_kw: dict | None = None, **cfg):
-        ids = tokenizer.encode(WORDS, add_special_tokens=False)
-        fakes = {"prefill": [], "decode": [], "mixed": []}
-        for role, num in (("prefill", num_prefill), ("decode", num_decode), ("mixed", num_mixed)):
-            for _ in range(num):
-                kw = {"tokens": list(ids), "eos_id": 2, **(worker_kw or {})}
-                fake = await FakeWorker(role=role, **kw).start()
-                started.append(fake)
-                fakes[role].append(fake)
-        cfg.setdefault("health_check_interval_s", 0.2)
-        cfg.setdefault("health_check_timeout_s", 0.5)
-        config = RouterConfig(
-            prefill_addrs=tuple(f.address for f in fakes["prefill"]),
-            decode_addrs=tuple(f.address for f in fakes["decode"]),
-            mixed_addrs=tuple(f.address for f in fakes["mixed"]),
-            served_model_name="tiny", **cfg)
-        router = RouterServer(config, tokenizer=tokenizer)
-        await router.start()
-        started.append(router)
-        return router, fakes
-
-    yield make
-    for obj in reversed(started):
-        await obj.stop()
+from test_router_fakes import cluster, tokenizer, wait_for  # noqa: F401 (fixtures)
 
 
 def _client(router: RouterServer, **kw) -> openai.AsyncOpenAI:
@@ -163,12 +122,12 @@ async def test_mid_stream_failure_ends_with_error_event(cluster):
 
 async def test_client_disconnect_aborts_both_legs(cluster):
     router, fakes = await cluster(worker_kw={"token_delay_s": 0.05})
-    async with httpx.AsyncClient() as http:
-        async with http.stream("POST", f"http://127.0.0.1:{router.http_port}/v1/completions",
-                               json={"prompt": "hi", "max_tokens": 200, "stream": True}) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    break
+    url = f"http://127.0.0.1:{router.http_port}/v1/completions"
+    body = {"prompt": "hi", "max_tokens": 200, "stream": True}
+    async with httpx.AsyncClient() as http, http.stream("POST", url, json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                break
     p, d = fakes["prefill"][0], fakes["decode"][0]
     room = d.decode_requests[0].room
     assert await wait_for(lambda: p.aborts and d.aborts)
@@ -187,7 +146,7 @@ async def test_mixed_only_pool(cluster, tokenizer):
 
 
 async def test_eos_finishes_with_stop(cluster, tokenizer):
-    router, fakes = await cluster(worker_kw={"tokens": [45, 46, 2, 47]})
+    router, _ = await cluster(worker_kw={"tokens": [45, 46, 2, 47]})
     resp = await _client(router).completions.create(model="tiny", prompt="hi", max_tokens=10)
     assert resp.choices[0].finish_reason == "stop"
     assert resp.choices[0].text == tokenizer.decode([45, 46])
@@ -195,7 +154,7 @@ async def test_eos_finishes_with_stop(cluster, tokenizer):
 
 
 async def test_models_workers_metrics_health(cluster):
-    router, fakes = await cluster()
+    router, _ = await cluster()
     await _client(router).completions.create(model="tiny", prompt="hi", max_tokens=3)
     base = f"http://127.0.0.1:{router.http_port}"
     async with httpx.AsyncClient() as http:
