@@ -72,8 +72,7 @@ class RadixCache:
         """Free every cached page and empty the tree; no request may hold a lock."""
         if self._protected_tokens:
             raise RuntimeError(f"reset: {self._protected_tokens} tokens are locked by requests")
-        for node in list(self.nodes()):
-            self._free_value(node)
+        self._free_nodes(list(self.nodes()))
         self._init_tree()
 
     # ---- accounting -----------------------------------------------------------------------
@@ -260,9 +259,11 @@ class RadixCache:
 
     # ---- eviction ---------------------------------------------------------------------------
 
-    def _free_value(self, node: TreeNode) -> None:
-        first_slots = node.value[:: self.page_size]
-        self.allocator.free_pages(torch.div(first_slots, self.page_size, rounding_mode="floor"))
+    def _free_nodes(self, nodes: list[TreeNode]) -> None:
+        """Return the pages of nodes leaving the tree, in one allocator call."""
+        if nodes:
+            first_slots = torch.cat([n.value[:: self.page_size] for n in nodes])
+            self.allocator.free_pages(torch.div(first_slots, self.page_size, rounding_mode="floor"))
 
     def evict(self, num_tokens: int) -> int:
         """Evict unlocked leaves, least recently used first, until `num_tokens` are freed or
@@ -272,10 +273,10 @@ class RadixCache:
         heap = [(n.last_access, n.node_id, n) for n in self.nodes()
                 if n.is_leaf and n.lock_ref == 0]
         heapq.heapify(heap)
-        freed = 0
+        freed, evicted = 0, []
         while freed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
-            self._free_value(node)
+            evicted.append(node)
             freed += len(node.key)
             self._evictable_tokens -= len(node.key)
             parent = node.parent
@@ -285,6 +286,7 @@ class RadixCache:
             node.parent = None  # detached: holds no pages any more
             if not parent.is_root and parent.is_leaf and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        self._free_nodes(evicted)
         return freed
 
     # ---- debugging --------------------------------------------------------------------------
