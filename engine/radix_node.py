@@ -50,9 +50,6 @@ class TreeNode:
     def is_leaf(self) -> bool:
         return not self.children
 
-    def __len__(self) -> int:
-        return len(self.key)
-
     def __repr__(self) -> str:
         return (f"TreeNode(id={self.node_id}, len={len(self.key)}, lock_ref={self.lock_ref}, "
                 f"children={len(self.children)})")
