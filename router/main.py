@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 
 from pdserve.router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
@@ -58,8 +59,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 async def serve(config: RouterConfig) -> None:
-    server = RouterServer(config, install_signal_handlers=True)
+    server = RouterServer(config)
     await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.request_stop)
     try:
         print(server.ready_line, flush=True)
         await server.wait()

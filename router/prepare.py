@@ -6,6 +6,7 @@ Everything a client can get wrong is caught here, before any worker is touched, 
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,16 +26,16 @@ class PreparedRequest:
 
 
 def load_tokenizer(path: str) -> Any:
-    """The model's tokenizer (HF dir or .gguf), via the engine's loader when it has one."""
-    try:
-        from pdserve.engine.loader import load_tokenizer as engine_load
-    except ImportError:
-        engine_load = None
-    if engine_load is not None:
-        return engine_load(path)
-    from transformers import AutoTokenizer
+    """The model's tokenizer. HF dirs load directly (the router then never imports torch);
+    anything else (a .gguf file) goes through the engine's loader."""
+    if os.path.isdir(path) and any(os.path.exists(os.path.join(path, name)) for name in
+                                   ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
+    from pdserve.engine.loader import load_tokenizer as engine_load
+
+    return engine_load(path)
 
 
 def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from typing import Any
@@ -24,8 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class RouterServer:
-    def __init__(self, config: RouterConfig, tokenizer: Any = None,
-                 install_signal_handlers: bool = False) -> None:
+    def __init__(self, config: RouterConfig, tokenizer: Any = None) -> None:
         self.config = config
         self.core = RouterCore.build(config, tokenizer)
         self.http_port = 0
@@ -33,7 +33,6 @@ class RouterServer:
         self._grpc: grpc.aio.Server | None = None
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task | None = None
-        self._signals = install_signal_handlers
 
     @property
     def ready_line(self) -> str:
@@ -57,8 +56,8 @@ class RouterServer:
         uv_config = uvicorn.Config(create_app(self.core), log_level="warning", lifespan="off",
                                    access_log=False, timeout_graceful_shutdown=2)
         self._http = uvicorn.Server(uv_config)
-        if not self._signals:
-            self._http.install_signal_handlers = lambda: None  # the embedding loop owns signals
+        # The embedding program owns signals (uvicorn would re-raise them after shutdown).
+        self._http.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
         self._http_task = asyncio.ensure_future(self._http.serve(sockets=[sock]))
         while not self._http.started:
             if self._http_task.done():
@@ -70,6 +69,11 @@ class RouterServer:
         """Serve until the HTTP server exits (a signal, or `stop()`)."""
         if self._http_task is not None:
             await self._http_task
+
+    def request_stop(self) -> None:
+        """Ask `wait()` to return (signal handlers call this)."""
+        if self._http is not None:
+            self._http.should_exit = True
 
     async def stop(self) -> None:
         if self._http is not None:
