@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from fixtures.paged import PagedRunner
 from fixtures.tiny_model import TINY_ARCHS, write_tiny_model
-from transformers import AutoModelForCausalLM
-
 from pdserve.engine.loader import load_model
+from transformers import AutoModelForCausalLM
 
 ATOL = 1e-4  # fp32; observed max differences are ~1e-5
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8, 120, 64, 33], [301, 12, 45, 6], [77, 300, 2, 19, 9, 10, 11]]
@@ -76,7 +77,7 @@ def test_mixed_batches_match_hf(models) -> None:
 
 
 def test_bf16_close_to_fp32(models) -> None:
-    ours, _, cfg = models
+    ours, _, _ = models
     prompt = PROMPTS[0]
     ref = PagedRunner(ours).extend({0: prompt})[0]
     ours_bf16 = ours.to(torch.bfloat16)
@@ -93,12 +94,12 @@ def test_rope_scaling_changes_outputs(tmp_path) -> None:
     """Guards against a silently ignored rope_scaling (both sides agreeing by accident)."""
     scaled, _ = load_model(write_tiny_model(tmp_path / "a", "llama3"), torch.float32, "cpu")
     plain_dir = write_tiny_model(tmp_path / "b", "llama3")
-    import json
-
     cfg_path = plain_dir + "/config.json"
-    cfg = json.load(open(cfg_path))
+    with open(cfg_path) as f:
+        cfg = json.load(f)
     cfg.pop("rope_scaling")
-    json.dump(cfg, open(cfg_path, "w"))
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
     plain, _ = load_model(plain_dir, torch.float32, "cpu")
     prompt = list(range(10, 40))
     a = PagedRunner(scaled).extend({0: prompt})[0]
