@@ -23,7 +23,7 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.router.attempt import Attempt, LegFailure
 from pdserve.router.config import RouterConfig
 from pdserve.router.convert import sampling_to_proto
-from pdserve.router.errors import NoWorkers, RequestTimeout, UpstreamFailed
+from pdserve.router.errors import InvalidRequest, NoWorkers, RequestTimeout, UpstreamFailed
 from pdserve.router.events import FlowEvent
 from pdserve.router.policies import Policy
 from pdserve.router.prepare import PreparedRequest, eos_token_ids
@@ -76,8 +76,6 @@ class RequestFlow:
 
     async def run(self, req: PreparedRequest) -> AsyncIterator[FlowEvent]:
         if req.request_id in self._active:
-            from pdserve.router.errors import InvalidRequest
-
             raise InvalidRequest(f"request_id: {req.request_id!r} is already running",
                                  param="request_id")
         abort_event = asyncio.Event()
