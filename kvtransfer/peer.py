@@ -57,6 +57,8 @@ def make_pool(spec: PoolSpec) -> tuple[torch.Tensor, ShmPoolBuffer | None]:
     shm = ShmPoolBuffer(spec.shape, dtype) if spec.shm else None
     pool = shm.tensor if shm is not None else torch.zeros(spec.shape, dtype=dtype,
                                                           device=spec.device)
+    if shm is not None:
+        pool.zero_()  # touch every page once (a live pool is resident)
     if spec.seed is not None:
         g = torch.Generator().manual_seed(spec.seed)
         # Fill page by page: no full-size temporary.

@@ -44,6 +44,7 @@ class PrefillSide:
                  fingerprint: Fingerprint) -> None:
         self.pool = pool
         self.num_pool_pages = int(pool.shape[0])
+        self.page_bytes = pool[0].numel() * pool.element_size()
         self.config = config
         self.fingerprint = fingerprint
         self._lock = threading.Lock()  # guards _senders, _pending, _tombstones

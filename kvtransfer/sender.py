@@ -74,7 +74,10 @@ class KVSender:
         if err is not None:
             self.abort(err)
             raise ValueError(f"room {self.room}: {err}")
-        descs = merge_runs(src_pages, self.dst_pages[start_page:end], pos=start_page)
+        # Runs are capped near 8 MiB so a transport can pipeline (copy one while sending the
+        # next) and no single message needs a huge buffer.
+        descs = merge_runs(src_pages, self.dst_pages[start_page:end], pos=start_page,
+                           max_pages=max(1, (8 << 20) // self._side.page_bytes))
         header = ChunkHeader(self.room, self._seq, tuple(descs), last, aux if last else None)
         self._seq += 1
         self._next_page = end

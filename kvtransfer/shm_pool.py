@@ -50,7 +50,9 @@ class ShmPoolBuffer:
                 size = os.fstat(fd).st_size
                 if size < nbytes:
                     raise ValueError(f"name: segment {name} holds {size} bytes, need {nbytes}")
-                self._map = mmap.mmap(fd, size)
+                # Populate the page tables now, not one fault per 4 KiB on the first write.
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._map = mmap.mmap(fd, size, flags=flags)
             finally:
                 os.close(fd)
             self.name = name

@@ -1,0 +1,221 @@
+"""`pdserve kvbench`: KV page transfer between two processes with model-shaped pools.
+
+This process is the receiver (decode); a spawned child is the sender (prefill). Each request's
+pages are drawn at random from the pool (as after churn) or contiguous. Per configuration it
+prints GB/s, per-request latency p50/p99, descriptors per request, the raw ceiling measured in
+the same run (memcpy between host buffers, or torch peer copy between GPUs) and the ratio; the
+receiver checks a checksum of every page that arrived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from pdserve.kvtransfer.backends import available_backends
+from pdserve.kvtransfer.bench_worker import SenderProcess
+from pdserve.kvtransfer.config import TransferConfig
+from pdserve.kvtransfer.descriptors import merge_runs
+from pdserve.kvtransfer.manager import KVManager
+from pdserve.kvtransfer.peer import PoolSpec, make_pool, page_checksum
+from pdserve.kvtransfer.poll import KVPoll
+from tqdm import tqdm
+
+# (num_layers, num_kv_heads, head_dim)
+MODEL_SHAPES = {
+    "smollm2-135m": (30, 3, 64), "smollm2-360m": (32, 5, 64), "smollm2-1.7b": (24, 32, 64),
+    "llama3-8b": (32, 8, 128), "llama3-70b": (80, 8, 128), "qwen2.5-7b": (28, 4, 128),
+}
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdserve kvbench", description=__doc__.split("\n")[0])
+    p.add_argument("--model-shape", default="smollm2-135m", choices=sorted(MODEL_SHAPES))
+    p.add_argument("--layers", type=int, help="override the model shape's layer count")
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--tokens", type=_ints, default=[4096], help="tokens per request, e.g. 512,4096")
+    p.add_argument("--page-size", type=_ints, default=[16])
+    p.add_argument("--backend", default="", help="comma list; default: every available one")
+    p.add_argument("--concurrency", type=_ints, default=[1])
+    p.add_argument("--layout", default="random,contiguous", help="random,contiguous")
+    p.add_argument("--requests", type=int, default=16, help="timed requests per configuration")
+    p.add_argument("--chunk-tokens", type=int, default=0, help="chunked sends (0: one chunk)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    return p.parse_args(argv)
+
+
+def memcpy_ceiling_gbps(nbytes: int, device: str, reps: int = 5) -> float:
+    """Raw copy between two buffers of one request's size: host memcpy, or GPU peer copy."""
+    if device == "cuda" and torch.cuda.device_count() >= 2:
+        a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+        b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+        sync = torch.cuda.synchronize
+    else:
+        a = torch.ones(nbytes, dtype=torch.uint8)
+        b = torch.empty(nbytes, dtype=torch.uint8)
+        sync = None  # type: ignore[assignment]
+    best = math.inf
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        if sync is not None:
+            sync()
+            sync("cuda:1")
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def _pick_pages(rng: random.Random, free: list[int], n: int, layout: str) -> list[int]:
+    if layout == "contiguous":
+        start = free[0]
+        out = list(range(start, start + n))
+    else:
+        out = rng.sample(free, n)
+    taken = set(out)
+    free[:] = [p for p in free if p not in taken]
+    return out
+
+
+def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm) -> list[dict]:
+    layers, heads, head_dim = MODEL_SHAPES[args.model_shape]
+    layers, heads = args.layers or layers, args.kv_heads or heads
+    head_dim = args.head_dim or head_dim
+    max_pages = max(math.ceil(t / page_size) for t in args.tokens) * max(args.concurrency)
+    num_pages = 2 * max_pages + 1  # room for random placement; page 0 reserved
+    cuda = args.device == "cuda" and torch.cuda.device_count() >= 2
+    base = {"num_pages": num_pages, "num_layers": layers, "page_size": page_size,
+            "num_kv_heads": heads, "head_dim": head_dim, "dtype": args.dtype,
+            "model": args.model_shape}
+    src_spec = PoolSpec(**base, seed=0, device="cuda:0" if cuda else "cpu")  # type: ignore
+    dst_spec = PoolSpec(**base, shm=backend == "shm", device="cuda:1" if cuda else "cpu")  # type: ignore
+    cfg = TransferConfig(backend=backend, transfer_timeout_s=120, waiting_timeout_s=120)
+    sender = SenderProcess(src_spec, cfg)
+    pool, shm = make_pool(dst_spec)
+    mgr = KVManager("decode", shm or pool, cfg, dst_spec.fingerprint())
+    rows: list[dict] = []
+    rng = random.Random(0)
+    room = rng.getrandbits(62)
+    try:
+        for tokens in args.tokens:
+            n_pages = math.ceil(tokens / page_size)
+            nbytes = n_pages * src_spec.page_bytes
+            ceiling = memcpy_ceiling_gbps(nbytes, args.device)
+            for layout in args.layout.split(","):
+                for conc in args.concurrency:
+                    lat: list[float] = []
+                    descs: list[int] = []
+                    ok, moved, elapsed = True, 0, 0.0
+                    waves = 1 + max(1, args.requests // conc)  # the first is warm-up
+                    for w in range(waves):
+                        src_free = list(range(1, num_pages))
+                        dst_free = list(range(1, num_pages))
+                        plan, receivers = [], []
+                        for _ in range(conc):
+                            room += 1
+                            src = _pick_pages(rng, src_free, n_pages, layout)
+                            dst = _pick_pages(rng, dst_free, n_pages, layout)
+                            descs.append(len(merge_runs(
+                                src, dst, max_pages=max(1, (8 << 20) // src_spec.page_bytes))))
+                            r = mgr.create_receiver(room, sender.bootstrap_addr)
+                            r.init(dst)
+                            plan.append((room, src))
+                            receivers.append((room, r, dst))
+                        chunk = (math.ceil(args.chunk_tokens / page_size) if args.chunk_tokens
+                                 else n_pages)
+                        sender.start_wave(plan, chunk, 120.0)
+                        done: dict[int, float] = {}
+                        while len(done) < len(receivers):
+                            for rm, r, _ in receivers:
+                                if rm not in done and r.poll() in (KVPoll.Success,
+                                                                   KVPoll.Failed):
+                                    done[rm] = time.monotonic()
+                            time.sleep(0.0001)  # leave the GIL to the receiving threads
+                        res = sender.wave_result(180.0)
+                        for rm, r, dst in receivers:
+                            good = (r.poll() == KVPoll.Success
+                                    and page_checksum(pool, dst) == res["checksums"][rm])
+                            ok = ok and good
+                        if w == 0:
+                            continue
+                        t0 = min(res["starts"].values())
+                        elapsed += max(done.values()) - t0
+                        moved += nbytes * conc
+                        lat += [(done[rm] - res["starts"][rm]) * 1e3 for rm, _, _ in receivers]
+                        bar.update(1)
+                    gbps = moved / elapsed / 1e9 if elapsed else 0.0
+                    lat.sort()
+                    rows.append({
+                        "backend": backend, "layout": layout, "tokens": tokens,
+                        "page_size": page_size, "concurrency": conc,
+                        "bytes_per_request": nbytes, "descs_per_request": statistics.mean(descs),
+                        "gbps": round(gbps, 3), "ceiling_gbps": round(ceiling, 3),
+                        "ratio": round(gbps / ceiling, 3) if ceiling else 0.0,
+                        "p50_ms": round(lat[len(lat) // 2], 3),
+                        "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 3),
+                        "checksum_ok": ok, "model_shape": args.model_shape,
+                        "device": args.device,
+                    })
+    finally:
+        mgr.close()
+        sender.close()
+        if shm is not None:
+            shm.close()
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = [("backend", "backend"), ("layout", "layout"), ("tokens", "tokens"),
+            ("page_size", "page"), ("concurrency", "conc"), ("descs_per_request", "desc/req"),
+            ("gbps", "GB/s"), ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms"),
+            ("ceiling_gbps", "ceiling GB/s"), ("ratio", "ratio"), ("checksum_ok", "check")]
+    table = [[h for _, h in cols]]
+    for r in rows:
+        table.append([f"{r[k]:.1f}" if k == "descs_per_request" else str(r[k]) for k, _ in cols])
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    avail = available_backends()
+    if args.device == "cuda":
+        avail = [b for b in avail if b != "shm"]
+    else:
+        avail = [b for b in avail if b != "cuda_ipc"]
+    backends = [b for b in args.backend.split(",") if b] or avail
+    for b in backends:
+        if b not in avail:
+            print(f"kvbench: backend {b!r} is not available here ({avail})", file=sys.stderr)
+            return 2
+    total = (len(backends) * len(args.page_size) * len(args.tokens)
+             * len(args.layout.split(",")) * sum(max(1, args.requests // c)
+                                                  for c in args.concurrency))
+    rows: list[dict[str, Any]] = []
+    with tqdm(total=total, desc="kvbench", unit="wave", file=sys.stderr) as bar:
+        for backend in backends:
+            for page_size in args.page_size:
+                rows += run_pair(args, backend, page_size, bar)
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+    else:
+        print(format_table(rows))
+    return 0 if all(r["checksum_ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
