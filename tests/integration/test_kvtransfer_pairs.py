@@ -118,8 +118,9 @@ def test_abort_from_each_side(backend: str, decode_local) -> None:  # type: igno
         assert prefill.close() == []
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_killed_prefill_fails_its_rooms_within_heartbeat(backend: str, decode_local) -> None:  # type: ignore
+    _skip_missing(backend)
     prefill = PeerProcess("prefill", _spec(seed=3), _cfg(backend))
     dmgr, _ = decode_local(backend)
     rs = [dmgr.create_receiver(room, prefill.bootstrap_addr) for room in (7, 8, 9)]
