@@ -60,10 +60,7 @@ def load_model(
 
 def load_tokenizer(path: str) -> Any:
     """The transformers tokenizer (with chat template) of an HF directory or GGUF file."""
-    from transformers import AutoTokenizer
+    from pdserve.engine.loader.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 
     kind, where = resolve_model_path(path)
-    if kind == "hf":
-        return AutoTokenizer.from_pretrained(where)
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(where)),
-                                         gguf_file=os.path.basename(where))
+    return load_hf_tokenizer(where) if kind == "hf" else load_gguf_tokenizer(where)

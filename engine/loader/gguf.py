@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.loader.common import ModelLoadError, TensorSource, fill_weights
+from pdserve.engine.loader.gguf_file import GGUFFile, GGUFTensor
 from pdserve.engine.loader.hf import check_architecture
 from pdserve.engine.models import LlamaForCausalLM
 
@@ -35,18 +37,15 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def _open(path: str) -> Any:
-    import gguf
-
+def _open(path: str) -> GGUFFile:
     try:
-        return gguf.GGUFReader(path)
-    except (OSError, ValueError) as e:
+        return GGUFFile(path)
+    except (OSError, ValueError, struct.error) as e:
         raise ModelLoadError(f"{path}: cannot read GGUF ({e})") from e
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -60,7 +59,7 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _config(reader: Any, path: str) -> tuple[ModelConfig, str]:
+def _config(reader: GGUFFile, path: str) -> tuple[ModelConfig, str]:
     gguf_arch = str(_field(reader, "general.architecture", ""))
     arch = _ARCHITECTURES.get(gguf_arch, f"gguf:{gguf_arch}")
     check_architecture(arch, path)
@@ -76,7 +75,7 @@ def _config(reader: Any, path: str) -> tuple[ModelConfig, str]:
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     vocab = _field(reader, f"{a}.vocab_size")
     if vocab is None:
-        vocab = int(tensors["token_embd.weight"].shape[-1]) if "token_embd.weight" in tensors \
+        vocab = int(tensors["token_embd.weight"].shape[0]) if "token_embd.weight" in tensors \
             else len(need("tokenizer.ggml.tokens"))
     rope_scaling: dict[str, Any] | None = None
     if "rope_freqs.weight" in tensors:  # Llama 3.1: final per-frequency divisors, precomputed
@@ -114,15 +113,13 @@ def _config(reader: Any, path: str) -> tuple[ModelConfig, str]:
     return config, gguf_arch
 
 
-def _dequantize(t: Any) -> np.ndarray:
+def _dequantize(t: GGUFTensor) -> np.ndarray:
     from gguf.quants import dequantize
 
-    # GGUF lists dims fastest-first; torch wants them slowest-first.
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     arr = np.ascontiguousarray(dequantize(t.data, t.tensor_type))
-    if not arr.flags.writeable:  # unquantized tensors come back as read-only memmap views
+    if not arr.flags.writeable:  # unquantized tensors come back as read-only views of the file
         arr = arr.copy()
-    return arr.reshape(shape)
+    return arr.reshape(t.shape)
 
 
 def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -131,7 +128,7 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _sources(reader: Any, path: str, config: ModelConfig, gguf_arch: str
+def _sources(reader: GGUFFile, path: str, config: ModelConfig, gguf_arch: str
              ) -> Iterator[TensorSource]:
     permute = gguf_arch in _PERMUTED
     for t in reader.tensors:
@@ -143,7 +140,7 @@ def _sources(reader: Any, path: str, config: ModelConfig, gguf_arch: str
         yield path, name, _reader(t, path, heads if permute else 0)
 
 
-def _reader(t: Any, path: str, unpermute_heads: int) -> Callable[[], torch.Tensor]:
+def _reader(t: GGUFTensor, path: str, unpermute_heads: int) -> Callable[[], torch.Tensor]:
     def read() -> torch.Tensor:
         try:
             w = torch.from_numpy(_dequantize(t))

@@ -115,3 +115,19 @@ def test_smollm2_matches_transformers_gguf_load(smollm2, smollm2_path: str) -> N
     for i, logits in enumerate(got):
         torch.testing.assert_close(logits, ref[len(ids) - 1 + i], atol=1e-3, rtol=0)
     assert tokens == ref[len(ids) - 1:].argmax(-1).tolist()
+
+
+def test_smollm2_tokenizer_cache_round_trip(smollm2, smollm2_path: str) -> None:
+    """The cached HF-format copy of the GGUF tokenizer encodes and templates identically."""
+    from pdserve.engine.default_model import cache_dir
+    from pdserve.engine.loader.tokenizer import _cache_key
+
+    _, _, tok = smollm2  # its load populated the cache
+    assert os.path.isdir(os.path.join(cache_dir(), "tokenizers", _cache_key(smollm2_path)))
+    again = load_tokenizer(smollm2_path)
+    for text in ["The capital of France is", "café  日本語\n<|im_end|>", ""]:
+        assert again(text).input_ids == tok(text).input_ids
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert again.apply_chat_template(msgs, tokenize=False) == tok.apply_chat_template(
+        msgs, tokenize=False)
+    assert (again.eos_token_id, again.bos_token_id) == (tok.eos_token_id, tok.bos_token_id)
