@@ -119,8 +119,11 @@ class KVMemory:
         if req.req_pool_idx is None:
             return
         row = req.req_pool_idx
-        if extra_slots:
-            self.allocator.free(self.req_to_token.read(row, req.kv_len, req.kv_len + extra_slots))
+        # Pages that start at or after kv_len hold only the extra slots; a partial page at
+        # kv_len is still the request's and goes through cache_finished_req below.
+        start = -(-req.kv_len // self.page_size) * self.page_size
+        if req.kv_len + extra_slots > start:
+            self.allocator.free(self.req_to_token.read(row, start, req.kv_len + extra_slots))
         tokens = req.fill_ids[:req.kv_len]
         self.tree.cache_finished_req(
             tokens, self.slots_of(req), req.prefix_len, req.last_node, req.namespace)

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.engine.forward_batch import ForwardMode
+
 log = logging.getLogger(__name__)
 
 
@@ -62,11 +64,14 @@ class SchedulerThread:
     def _run(self) -> None:
         sched = self.scheduler
         try:
+            ran = True
             while not self._stop.is_set():
-                busy = sched.has_work
-                self._drain(block=not busy)
+                # Block briefly when the last iteration ran nothing (idle, or only waiting on
+                # peers): a spinning thread would starve the gRPC loop and transfer threads.
+                self._drain(block=not (ran and sched.has_work))
+                ran = False
                 if sched.has_work:
-                    sched.step()
+                    ran = sched.step() != ForwardMode.IDLE
                 self.snapshot = sched.snapshot() if hasattr(sched, "snapshot") else {}
         except BaseException as e:  # surfaced through health: the worker becomes NOT_SERVING
             self.error = e

@@ -43,6 +43,8 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--waiting-timeout", type=float, default=30.0)
     p.add_argument("--transfer-timeout", type=float, default=30.0)
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
+    p.add_argument("--heartbeat-misses", type=int, default=5,
+                   help="a KV peer silent for interval x misses fails all its rooms")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--log-level", default="WARNING")
     return p
@@ -66,7 +68,7 @@ def transfer_config(args: argparse.Namespace):
         backend=args.transfer_backend, bootstrap_host=args.host,
         bootstrap_port=args.bootstrap_port, bootstrap_timeout_s=args.bootstrap_timeout,
         waiting_timeout_s=args.waiting_timeout, transfer_timeout_s=args.transfer_timeout,
-        heartbeat_interval_s=args.heartbeat_interval)
+        heartbeat_interval_s=args.heartbeat_interval, heartbeat_misses=args.heartbeat_misses)
 
 
 def _build(role: str, args: argparse.Namespace):

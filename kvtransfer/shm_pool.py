@@ -50,9 +50,9 @@ class ShmPoolBuffer:
                 size = os.fstat(fd).st_size
                 if size < nbytes:
                     raise ValueError(f"name: segment {name} holds {size} bytes, need {nbytes}")
-                # Populate the page tables now, not one fault per 4 KiB on the first write.
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                self._map = mmap.mmap(fd, size, flags=flags)
+                # No MAP_POPULATE: populating a multi-GiB pool holds the GIL for seconds (the
+                # heartbeat and gRPC threads stall) and commits memory the pool may never use.
+                self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
             finally:
                 os.close(fd)
             self.name = name
