@@ -65,6 +65,25 @@ class TorchAttentionBackend(AttentionBackend):
         mask = (causal & kv_valid[:, None, :])[:, None]
         return _Plan(fb, kv_slots, mask, q_index, q_valid, max_q)
 
+    @staticmethod
+    def _gather_kv(
+        fb: ForwardBatch, layer_id: int, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = fb.kv_pool
+        buf = pool.buffer
+        if not buf.is_contiguous():
+            return pool.get_kv(layer_id, slots)
+        # Row view of the page-major pool [pages * layers * 2 * page_size, kvh, d]: one 1-D
+        # index_select of rows is a run of small memcpys, where indexing the strided per-layer
+        # view with (page, offset) pairs goes through generic advanced indexing, ~100x slower.
+        ps = pool.page_size
+        pages = torch.div(slots, ps, rounding_mode="floor")
+        rows = pages * (pool.num_layers * 2 * ps) + (slots - pages * ps) + layer_id * 2 * ps
+        flat = buf.view(-1, pool.num_kv_heads, pool.head_dim)
+        k = flat.index_select(0, rows.reshape(-1)).view(*slots.shape, *flat.shape[1:])
+        v = flat.index_select(0, (rows + ps).reshape(-1)).view(*slots.shape, *flat.shape[1:])
+        return k, v
+
     def forward(
         self,
         layer_id: int,
@@ -93,7 +112,7 @@ class TorchAttentionBackend(AttentionBackend):
             plan.group_mask = m.reshape(b, 1, group * max_q, plan.mask.shape[-1])
             plan.group = group
 
-        keys, values = fb.kv_pool.get_kv(layer_id, plan.kv_slots)  # [B, max_kv, kvh, d]
+        keys, values = self._gather_kv(fb, layer_id, plan.kv_slots)  # [B, max_kv, kvh, d]
         keys = keys.to(q.dtype).transpose(1, 2)
         values = values.to(q.dtype).transpose(1, 2)
 
