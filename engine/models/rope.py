@@ -75,6 +75,15 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = compute_inv_freq(head_dim, rope_theta, rope_scaling)
         # A buffer so `.to(device)` moves it; not persistent, it is never a checkpoint weight.
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self._inv_freq_fp32 = inv_freq
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # `model.to(bfloat16)` would round the frequencies; RoPE angles need fp32 (HF does the
+        # same computation in fp32), so restore them and keep only the device change.
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = self._inv_freq_fp32.to(self.inv_freq.device)
+        return self
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """positions [T] -> (cos, sin) each [T, 1, head_dim], computed in fp32, cast to dtype."""

@@ -23,7 +23,7 @@ def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                             tie_word_embeddings=tie_flag)
     ours, cfg = load_model(path, torch.float32, "cpu")
     theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return ours, theirs, cfg
+    return ours, theirs, cfg, path
 
 
 @torch.no_grad()
@@ -40,7 +40,7 @@ def hf_greedy(hf: torch.nn.Module, ids: list[int], n: int) -> list[int]:
 
 
 def test_extend_then_decode_matches_hf(models) -> None:
-    ours, hf, _ = models
+    ours, hf, _, _ = models
     runner = PagedRunner(ours, page_size=4)
     prompt = PROMPTS[0]
     tokens = hf_greedy(hf, prompt, 6)
@@ -54,7 +54,7 @@ def test_extend_then_decode_matches_hf(models) -> None:
 
 
 def test_extend_on_cached_prefix_matches_hf(models) -> None:
-    ours, hf, _ = models
+    ours, hf, _, _ = models
     runner = PagedRunner(ours, page_size=4)
     prompt = PROMPTS[0]
     runner.extend({1: prompt[:5]})  # ends mid-page: the second extend appends into that page
@@ -64,7 +64,7 @@ def test_extend_on_cached_prefix_matches_hf(models) -> None:
 
 def test_mixed_batches_match_hf(models) -> None:
     """Several sequences of different lengths, some with cached prefixes, then batched decode."""
-    ours, hf, _ = models
+    ours, hf, _, _ = models
     runner = PagedRunner(ours, page_size=4)
     runner.extend({2: PROMPTS[2][:3]})
     logits = runner.extend({0: PROMPTS[0], 1: PROMPTS[1], 2: PROMPTS[2][3:]})
@@ -77,17 +77,23 @@ def test_mixed_batches_match_hf(models) -> None:
 
 
 def test_bf16_close_to_fp32(models) -> None:
-    ours, _, _ = models
+    ours, _, _, path = models
     prompt = PROMPTS[0]
     ref = PagedRunner(ours).extend({0: prompt})[0]
-    ours_bf16 = ours.to(torch.bfloat16)
-    try:
-        got = PagedRunner(ours_bf16).extend({0: prompt})[0]
-    finally:
-        ours.to(torch.float32)
+    ours_bf16, _ = load_model(path, torch.bfloat16, "cpu")
+    assert ours_bf16.rotary.inv_freq.dtype == torch.float32
+    got = PagedRunner(ours_bf16).extend({0: prompt})[0]
     assert got.dtype == torch.float32
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
     assert got.argmax() == ref.argmax()
+
+
+def test_to_dtype_keeps_rope_in_fp32(tiny_model_dir: str) -> None:
+    model, _ = load_model(tiny_model_dir, torch.float32, "cpu")
+    before = model.rotary.inv_freq.clone()
+    model.to(torch.bfloat16)
+    assert model.embed_tokens.dtype == torch.bfloat16
+    assert torch.equal(model.rotary.inv_freq, before)
 
 
 def test_rope_scaling_changes_outputs(tmp_path) -> None:
