@@ -1,0 +1,124 @@
+"""Triton kernels against their torch references, under TRITON_INTERPRET=1 on CPU.
+
+On a CUDA machine the same tests run compiled on the GPU (tests/gpu adds bf16 and larger
+shapes). The interpreter flag must be set before any `triton.jit` runs, hence before the
+kernel modules are imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from pdserve.kernels import page_copy  # noqa: E402
+from pdserve.kernels.attention_reference import (  # noqa: E402
+    decode_attention_reference,
+    extend_attention_reference,
+)
+from pdserve.kernels.decode_attention import decode_attention  # noqa: E402
+from pdserve.kernels.extend_attention import extend_attention  # noqa: E402
+from pdserve.kernels.kv_store import store_kv, store_kv_reference  # noqa: E402
+from pdserve.kernels.page_copy_triton import gather_pages, scatter_pages  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+LAYERS, PAGE = 3, 4
+
+
+def _pool(num_pages: int, kv_heads: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_pages, LAYERS, 2, PAGE, kv_heads, d, generator=g).to(DEV)
+
+
+def _paged_seqs(seq_lens: list[int], num_pages: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Shuffled page-aligned slots per sequence -> (kv_indptr, kv_indices) on DEV."""
+    g = torch.Generator().manual_seed(seed)
+    perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+    slots, used = [], 0
+    for n in seq_lens:
+        pages = perm[used:used + -(-n // PAGE)]
+        used += len(pages)
+        pos = torch.arange(n)
+        slots.append(torch.tensor(pages, dtype=torch.int64)[pos // PAGE] * PAGE + pos % PAGE)
+    indptr = torch.tensor([0, *torch.cumsum(torch.tensor(seq_lens), 0).tolist()])
+    return indptr.to(DEV), torch.cat(slots).to(DEV)
+
+
+def test_store_kv_matches_reference() -> None:
+    pool = _pool(9, 2, 8, 0)
+    ref = pool.clone()
+    g = torch.Generator().manual_seed(1)
+    slots = (torch.randperm(8 * PAGE, generator=g)[:11] + PAGE).to(DEV)
+    qkv = torch.randn(11, 3, 2, 8, generator=g).to(DEV)  # strided k/v, as from a fused qkv
+    k, v = qkv[:, 1], qkv[:, 2]
+    store_kv(pool[:, 1, 0], pool[:, 1, 1], slots, k, v)
+    store_kv_reference(ref[:, 1, 0], ref[:, 1, 1], slots, k, v)
+    assert torch.equal(pool, ref)
+
+
+def test_store_kv_rejects_bad_shape() -> None:
+    pool = _pool(3, 2, 8, 0)
+    with pytest.raises(ValueError, match="k:"):
+        store_kv(pool[:, 0, 0], pool[:, 0, 1], torch.tensor([4], device=DEV),
+                 torch.zeros(1, 3, 8, device=DEV), torch.zeros(1, 3, 8, device=DEV))
+
+
+@pytest.mark.parametrize("pages", [[3, 4, 5, 9], [7, 1, 8, 2, 2], [], [6]])
+def test_page_gather_scatter_match_reference(pages: list[int]) -> None:
+    pool = _pool(10, 2, 8, 2)
+    out = torch.zeros(6, *pool.shape[1:], device=DEV)
+    ref = torch.zeros_like(out)
+    gather_pages(pool, pages, out)
+    page_copy.gather_pages(pool, pages, ref)
+    assert torch.equal(out, ref)
+    staging = torch.randn(len(pages), *pool.shape[1:]).to(DEV)
+    a, b = pool.clone(), pool.clone()
+    uniq = list(dict.fromkeys(pages))  # duplicate destinations have no defined winner
+    scatter_pages(staging[:len(uniq)], a, torch.tensor(uniq, dtype=torch.int64))
+    page_copy.scatter_pages(staging[:len(uniq)], b, uniq)
+    assert torch.equal(a, b)
+
+
+def test_page_copy_rejects_mismatch() -> None:
+    pool = _pool(4, 2, 8, 0)
+    with pytest.raises(ValueError, match="out"):
+        gather_pages(pool, [1, 2], torch.zeros(1, *pool.shape[1:], device=DEV))
+    with pytest.raises(ValueError, match="staging"):
+        scatter_pages(torch.zeros(2, *pool.shape[1:], device=DEV, dtype=torch.float64),
+                      pool, [1, 2])
+
+
+@pytest.mark.parametrize("heads,kv_heads,splits", [(4, 4, 1), (8, 2, 4), (6, 1, 3), (4, 2, 32)])
+def test_decode_attention_matches_reference(heads: int, kv_heads: int, splits: int) -> None:
+    d, seq_lens = 16, [1, 7, 33, 70, 4]
+    num_pages = 1 + sum(-(-n // PAGE) for n in seq_lens) + 3
+    pool = _pool(num_pages, kv_heads, d, 3)
+    indptr, indices = _paged_seqs(seq_lens, num_pages, 4)
+    q = torch.randn(len(seq_lens), heads, d, generator=torch.Generator().manual_seed(5)).to(DEV)
+    kc, vc = pool[:, 2, 0], pool[:, 2, 1]
+    out = decode_attention(q, kc, vc, indptr, indices, d**-0.5, num_splits=splits)
+    want = decode_attention_reference(q, kc, vc, indptr, indices, d**-0.5)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (3, 1)])
+def test_extend_attention_matches_reference(heads: int, kv_heads: int) -> None:
+    d = 16
+    prefix_lens, extend_lens = [0, 5, 12, 3, 9], [7, 1, 20, 35, 0]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    num_pages = 1 + sum(-(-n // PAGE) for n in seq_lens) + 2
+    pool = _pool(num_pages, kv_heads, d, 6)
+    kv_indptr, indices = _paged_seqs(seq_lens, num_pages, 7)
+    qo_indptr = torch.tensor([0, *torch.cumsum(torch.tensor(extend_lens), 0).tolist()]).to(DEV)
+    q = torch.randn(sum(extend_lens), heads, d,
+                    generator=torch.Generator().manual_seed(8)).to(DEV)
+    kc, vc = pool[:, 0, 0], pool[:, 0, 1]
+    out = extend_attention(q, kc, vc, qo_indptr, kv_indptr, indices, d**-0.5,
+                           max_extend_len=max(extend_lens))
+    want = extend_attention_reference(q, kc, vc, qo_indptr, kv_indptr, indices, d**-0.5)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
