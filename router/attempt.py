@@ -19,6 +19,7 @@ from pdserve.router.events import FlowEvent, TokenLogprob, Usage, merge_timings,
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from pdserve.router.disagg import DisaggDecision
     from pdserve.router.prepare import PreparedRequest
     from pdserve.router.registry import WorkerEntry
     from pdserve.router.request_flow import RequestFlow
@@ -49,6 +50,7 @@ class Attempt:
     abort_event: asyncio.Event
     dispatch: float
     sent_tokens: bool = False
+    decision: DisaggDecision | None = None
     _last_token_at: float = 0.0
     _cached_tokens: int = 0
     _prefill_timings: dict | None = None
@@ -72,8 +74,10 @@ class Attempt:
         try:
             if self.prefill is not None:
                 prefill_task = asyncio.ensure_future(
-                    self.prefill.open().Prefill(self.prefill_req, timeout=timeout))
-            decode_call = self.decode.open().Decode(self.decode_req, timeout=timeout)
+                    self.prefill.open().Prefill(self.prefill_req, timeout=timeout,
+                                                metadata=self.prefill.metadata))
+            decode_call = self.decode.open().Decode(self.decode_req, timeout=timeout,
+                                                    metadata=self.decode.metadata)
             next_msg = asyncio.ensure_future(decode_call.read())
             pending = {t for t in (next_msg, abort_wait, prefill_task) if t is not None}
             while True:
@@ -198,4 +202,5 @@ class Attempt:
             self.flow.metrics.on_finish(reason, usage, timings)
         return FlowEvent(request_id=self.req.request_id, text=text, token_ids=token_ids,
                          logprobs=logprobs, finish_reason=reason, usage=usage, timings=timings,
-                         prefill_worker=self.prefill_addr, decode_worker=self.decode.address)
+                         prefill_worker=self.prefill_addr, decode_worker=self.decode.address,
+                         disagg=self.decision.to_json() if self.decision is not None else None)

@@ -19,7 +19,9 @@ class RouterConfig:
     """Router settings. `http_port`/`grpc_port` 0 pick free ports (the bound ones are reported).
 
     Static worker addresses are queried with Worker.Status to learn their role; workers may also
-    register themselves over the Router service (guarded by `registration_secret` when set).
+    register themselves over the Router service (guarded by `registration_secret` when set; the
+    same shared secret is sent to workers as `x-pdserve-secret` metadata on every Worker RPC).
+    `api_key` guards the client APIs: HTTP /v1 and gRPC Generate/Abort/ListWorkers.
     """
 
     host: str = "127.0.0.1"
@@ -45,6 +47,11 @@ class RouterConfig:
     cache_aware_balance_rel: float = 1.5  # ... and when max load > rel * min load
     cache_aware_min_match: float = 0.5  # matched fraction of the prompt needed for affinity
     default_max_tokens: int = 256  # when the client gives none (bounded by the context left)
+    disagg_threshold: int = 0  # uncached prompt tokens needed to prefill remotely (0 = always)
+    local_prefill_fallback: bool = False  # no prefill worker: decode workers prefill locally
+    tls_ca_file: str | None = None  # when set, worker channels use TLS trusting this CA
+    tls_cert_file: str | None = None  # when set (with tls_key_file), the gRPC server uses TLS
+    tls_key_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefill_addrs", "decode_addrs", "mixed_addrs"):
@@ -93,6 +100,11 @@ class RouterConfig:
             raise ValueError("api_key: must be non-empty when set")
         if self.registration_secret is not None and not self.registration_secret:
             raise ValueError("registration_secret: must be non-empty when set")
+        if not isinstance(self.disagg_threshold, int) or self.disagg_threshold < 0:
+            raise ValueError(
+                f"disagg_threshold: must be >= 0 tokens (0 = always), got {self.disagg_threshold!r}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file: give tls_cert_file and tls_key_file together")
 
     @property
     def model_name(self) -> str:

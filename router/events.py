@@ -46,6 +46,7 @@ class FlowEvent:
     prefill_worker: str = ""
     decode_worker: str = ""
     error: str | None = None
+    disagg: dict | None = None  # on the last event: DisaggDecision.to_json()
 
     def to_proto(self) -> pb.GenerateResponse:
         chunk = pb.TokenChunk(token_ids=self.token_ids)

@@ -33,13 +33,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-policy", choices=DECODE_POLICIES, default="round_robin")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1")
     p.add_argument("--registration-secret", default=None,
-                   help="secret workers must present to register")
+                   help="cluster secret: workers present it to register and heartbeat; the "
+                        "router sends it on every Worker RPC")
     p.add_argument("--heartbeat-interval", type=float, default=2.0, metavar="S")
     p.add_argument("--lease", type=float, default=10.0, metavar="S")
     p.add_argument("--health-check-interval", type=float, default=2.0, metavar="S")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--retries", type=int, default=1)
+    p.add_argument("--disagg-threshold", type=int, default=0, metavar="TOKENS",
+                   help="prefill remotely only when the uncached prompt has at least this many "
+                        "tokens, else on the decode worker (0 = always disaggregate)")
+    p.add_argument("--local-prefill-fallback", action="store_true",
+                   help="with no prefill worker in rotation, decode workers prefill locally")
+    p.add_argument("--tls-cert", default=None, help="gRPC server certificate (PEM): enables TLS")
+    p.add_argument("--tls-key", default=None, help="gRPC server private key (PEM)")
+    p.add_argument("--tls-ca", default=None, help="CA (PEM) to verify TLS workers with")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -55,7 +64,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         heartbeat_interval_s=args.heartbeat_interval, lease_s=args.lease,
         health_check_interval_s=args.health_check_interval,
         request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-        retries=args.retries)
+        retries=args.retries, disagg_threshold=args.disagg_threshold,
+        local_prefill_fallback=args.local_prefill_fallback, tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key, tls_ca_file=args.tls_ca)
 
 
 async def serve(config: RouterConfig) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from pdserve.router.disagg import DisaggDecision
 from pdserve.router.events import TIMING_FIELDS, Usage
 from pdserve.router.registry import Registry
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -52,6 +53,9 @@ class RouterMetrics:
                                 ["endpoint", "status"], registry=self.prom)
         self.finished = Counter("pdserve_router_finished", "finished generations by reason",
                                 ["reason"], registry=self.prom)
+        self.disagg = Counter("pdserve_router_disagg_decisions",
+                              "requests by prefill placement (remote = disaggregated) and why",
+                              ["decision", "reason"], registry=self.prom)
         self.retries = Counter("pdserve_router_retries", "attempts retried on a fresh pair",
                                registry=self.prom)
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "prompt tokens",
@@ -82,6 +86,10 @@ class RouterMetrics:
         per = gap_s / max(1, num_tokens)
         for _ in range(num_tokens):
             self.itl.observe(per)
+
+    def on_disagg(self, decision: DisaggDecision) -> None:
+        self.disagg.labels(decision="remote" if decision.disaggregated else "local",
+                           reason=decision.reason).inc()
 
     def on_retry(self) -> None:
         self.retries.inc()

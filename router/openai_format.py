@@ -51,6 +51,7 @@ class ChoiceState:
     usage: Usage | None = None
     timings: dict | None = None
     workers: tuple[str, str] = ("", "")
+    disagg: dict | None = None
     emitted_chars: int = 0
 
     def add(self, event: FlowEvent) -> None:
@@ -61,6 +62,7 @@ class ChoiceState:
             self.finish_reason = event.finish_reason
             self.timings = event.timings
             self.workers = (event.prefill_worker, event.decode_worker)
+            self.disagg = event.disagg
             if event.usage is not None:
                 self.usage = event.usage
                 if not self.counts_prompt:
@@ -74,7 +76,8 @@ def total_usage(choices: list[ChoiceState]) -> dict:
 def extras(choices: list[ChoiceState]) -> dict:
     """Non-OpenAI visibility: which workers served each choice and where the time went."""
     return {"choices": [{"index": c.index, "prefill_worker": c.workers[0],
-                         "decode_worker": c.workers[1], "timings": c.timings} for c in choices]}
+                         "decode_worker": c.workers[1], "timings": c.timings,
+                         "disaggregation": c.disagg} for c in choices]}
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[ChoiceState],

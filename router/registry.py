@@ -22,6 +22,7 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.convert import load_to_dict
+from pdserve.router.grpc_auth import open_channel, secret_metadata
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class WorkerEntry:
     consecutive_failures: int = 0
     channel: grpc.aio.Channel | None = None
     stub: pb_grpc.WorkerStub | None = None
+    ca_file: str | None = None  # TLS to the worker, verified against this CA
+    metadata: tuple[tuple[str, str], ...] | None = None  # sent on every call (cluster secret)
 
     @property
     def load_score(self) -> int:
@@ -59,7 +62,7 @@ class WorkerEntry:
 
     def open(self) -> pb_grpc.WorkerStub:
         if self.stub is None:
-            self.channel = grpc.aio.insecure_channel(self.address)
+            self.channel = open_channel(self.address, self.ca_file)
             self.stub = pb_grpc.WorkerStub(self.channel)
         return self.stub
 
@@ -100,8 +103,13 @@ class Registry:
                             ("mixed", config.mixed_addrs)):
             for addr in addrs:
                 wid = f"static-{role}-{addr}"
-                self._workers[wid] = WorkerEntry(worker_id=wid, address=addr, role=role,
-                                                 static=True)
+                self._workers[wid] = self._secured(WorkerEntry(worker_id=wid, address=addr,
+                                                               role=role, static=True))
+
+    def _secured(self, entry: WorkerEntry) -> WorkerEntry:
+        entry.ca_file = self.config.tls_ca_file
+        entry.metadata = secret_metadata(self.config.registration_secret)
+        return entry
 
     # ------------------------------------------------------------------ queries
     def all(self) -> list[WorkerEntry]:
@@ -129,8 +137,9 @@ class Registry:
         for old in [w for w in self._workers.values() if w.address == info.address]:
             self._remove(old)
         wid = info.worker_id or f"{info.role}-{secrets.token_hex(4)}"
-        entry = WorkerEntry(worker_id=wid, address=info.address, role=info.role, static=False,
-                            state="healthy", lease_deadline=self._clock() + self.config.lease_s)
+        entry = self._secured(WorkerEntry(
+            worker_id=wid, address=info.address, role=info.role, static=False,
+            state="healthy", lease_deadline=self._clock() + self.config.lease_s))
         entry.update_info(info)
         self._workers[wid] = entry
         log.info("registered %s worker %s at %s", entry.role, wid, entry.address)
@@ -221,7 +230,8 @@ class Registry:
                 if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 serving = True  # no health service: Worker.Status alone decides
-            status = await stub.Status(pb.StatusRequest(), timeout=timeout)
+            status = await stub.Status(pb.StatusRequest(), timeout=timeout,
+                                       metadata=entry.metadata)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
             if entry.state != "unhealthy":
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else repr(e)

@@ -23,6 +23,7 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.router.attempt import Attempt, LegFailure
 from pdserve.router.config import RouterConfig
 from pdserve.router.convert import sampling_to_proto
+from pdserve.router.disagg import DisaggDecision, DisaggPolicy
 from pdserve.router.errors import InvalidRequest, NoWorkers, RequestTimeout, UpstreamFailed
 from pdserve.router.events import FlowEvent
 from pdserve.router.policies import Policy
@@ -44,24 +45,34 @@ class RequestFlow:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.eos_ids = eos_token_ids(tokenizer)
+        self.disagg = DisaggPolicy(config.disagg_threshold)
         self._active: dict[str, asyncio.Event] = {}
         self._background: set[asyncio.Task] = set()
 
-    def pick(self, input_ids: list[int],
-             exclude: set[str] = frozenset()) -> tuple[WorkerEntry | None, WorkerEntry]:
-        """A (prefill, decode) pair, or (None, mixed worker) when no pair is available."""
+    def pick(self, input_ids: list[int], exclude: set[str] = frozenset()
+             ) -> tuple[WorkerEntry | None, WorkerEntry, DisaggDecision]:
+        """(prefill, decode, decision); prefill is None when the decode (or mixed) worker
+        prefills the prompt itself (see router/disagg.py for when). Workers in `exclude` (failed
+        this request) are avoided when others exist."""
         def pool(role: str) -> list[WorkerEntry]:
             live = self.registry.available(role)
             fresh = [w for w in live if w.worker_id not in exclude]
             return fresh or live
 
         prefill, decode = pool("prefill"), pool("decode")
-        if prefill and decode:
-            return (self.prefill_policy.pick(prefill, input_ids),
-                    self.decode_policy.pick(decode, input_ids))
+        if decode:
+            self.disagg.forget_except(self.registry.all())
+            chosen = self.decode_policy.pick(decode, input_ids)
+            decision = self.disagg.decide(input_ids, chosen, bool(prefill),
+                                          self.config.local_prefill_fallback)
+            if decision is not None:
+                if decision.disaggregated:
+                    return self.prefill_policy.pick(prefill, input_ids), chosen, decision
+                return None, chosen, decision
         mixed = pool("mixed")
         if mixed:
-            return None, self.decode_policy.pick(mixed, input_ids)
+            return (None, self.decode_policy.pick(mixed, input_ids),
+                    DisaggPolicy.mixed(input_ids, self.config.disagg_threshold))
         roles = {w.role: w.state for w in self.registry.all()}
         raise NoWorkers(f"no workers available to serve the request (workers: {roles or 'none'})",
                         code="no_workers")
@@ -81,10 +92,19 @@ class RequestFlow:
         abort_event = asyncio.Event()
         self._active[req.request_id] = abort_event
         exclude: set[str] = set()
+        last_failure: LegFailure | None = None
         try:
             for attempt_no in range(self.config.retries + 1):
-                prefill, decode = self.pick(req.input_ids, exclude)
+                try:
+                    prefill, decode, decision = self.pick(req.input_ids, exclude)
+                except NoWorkers:
+                    if last_failure is None:
+                        raise
+                    raise UpstreamFailed(last_failure.message(), code="worker_failed") from None
+                if self.metrics is not None:
+                    self.metrics.on_disagg(decision)
                 attempt = self._make_attempt(req, prefill, decode, abort_event)
+                attempt.decision = decision
                 try:
                     async with contextlib.aclosing(attempt.stream()) as events:
                         async for event in events:
@@ -92,7 +112,10 @@ class RequestFlow:
                     return
                 except LegFailure as failure:
                     self._note_failure(failure)
+                    last_failure = failure
                     exclude.add(failure.worker.worker_id)
+                    if failure.leg == "decode" and prefill is not None:
+                        exclude.add(prefill.worker_id)  # a fresh pair, not only a fresh leg
                     last = attempt_no == self.config.retries
                     if attempt.sent_tokens:
                         yield FlowEvent(request_id=req.request_id, error=failure.message(),
@@ -145,7 +168,8 @@ class RequestFlow:
 
     async def _abort_one(self, stub: Any, worker: WorkerEntry, msg: pb.AbortRequest) -> None:
         try:
-            await stub.Abort(msg, timeout=self.config.health_check_timeout_s)
+            await stub.Abort(msg, timeout=self.config.health_check_timeout_s,
+                             metadata=worker.metadata)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             log.info("abort of room %d on %s failed: %s", msg.room, worker.address, e)
 

@@ -14,6 +14,7 @@ from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.convert import sampling_dict_from_proto
 from pdserve.router.core import RouterCore
 from pdserve.router.errors import InvalidRequest, RouterError
+from pdserve.router.grpc_auth import AuthInterceptor, add_port, api_key_check
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +111,13 @@ class _StreamError(Exception):
 
 
 async def start_grpc_server(core: RouterCore, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Start the Router service + grpc.health.v1 + reflection; return (server, bound port)."""
-    server = grpc.aio.server()
+    """Start the Router service + grpc.health.v1 + reflection; return (server, bound port).
+
+    Generate/Abort/ListWorkers need the API key when one is set; TLS when a certificate is."""
+    cfg = core.config
+    client_methods = tuple(f"/pdserve.v1.Router/{m}" for m in ("Generate", "Abort", "ListWorkers"))
+    server = grpc.aio.server(
+        interceptors=[AuthInterceptor(api_key_check(cfg.api_key, client_methods))])
     pb_grpc.add_RouterServicer_to_server(RouterService(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -119,7 +125,7 @@ async def start_grpc_server(core: RouterCore, host: str, port: int) -> tuple[grp
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", cfg.tls_cert_file, cfg.tls_key_file)
     if bound == 0:
         raise OSError(f"grpc_port: cannot bind {host}:{port}")
     await server.start()

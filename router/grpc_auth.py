@@ -1,0 +1,121 @@
+"""gRPC security shared by the router and the workers: API keys, the cluster secret, TLS.
+
+- Clients of the Router service send `authorization: Bearer KEY` (like vLLM's `--api-key`).
+- The router sends the cluster (registration) secret to workers as `x-pdserve-secret` on every
+  Worker RPC; workers started with a secret refuse calls without it (UNAUTHENTICATED).
+- grpc.health.v1 and reflection stay open: probes and tooling need no key.
+- TLS: servers given a certificate and key listen with TLS; clients given a CA file verify it.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable, Sequence
+
+import grpc
+
+SECRET_KEY = "x-pdserve-secret"
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def _same(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def bearer_ok(metadata: dict[str, str], api_key: str) -> bool:
+    scheme, _, token = metadata.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and _same(token.strip(), api_key)
+
+
+def secret_ok(metadata: dict[str, str], secret: str) -> bool:
+    return _same(metadata.get(SECRET_KEY, ""), secret)
+
+
+def secret_metadata(secret: str | None) -> tuple[tuple[str, str], ...] | None:
+    """Call metadata carrying the cluster secret (None when there is none)."""
+    return ((SECRET_KEY, secret),) if secret else None
+
+
+Check = Callable[[str, dict[str, str]], "str | None"]
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects a call with UNAUTHENTICATED when `check(method, metadata)` returns a message.
+
+    Methods of OPEN_SERVICES are never checked.
+    """
+
+    def __init__(self, check: Check) -> None:
+        self.check = check
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        method = details.method or ""
+        if method.startswith(OPEN_SERVICES):
+            return await continuation(details)
+        metadata = {k: v for k, v in (details.invocation_metadata or ())
+                    if isinstance(v, str)}
+        problem = self.check(method, metadata)
+        handler = await continuation(details)
+        if problem is None or handler is None:
+            return handler
+        return _deny(handler, problem)
+
+
+def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover (makes this an async generator)
+
+    kw = {"request_deserializer": handler.request_deserializer,
+          "response_serializer": handler.response_serializer}
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(stream, **kw)
+    return grpc.unary_unary_rpc_method_handler(unary, **kw)
+
+
+def api_key_check(api_key: str | None, methods: Sequence[str]) -> Check:
+    """Check for the Router service: `methods` (full names) need the Bearer API key."""
+    def check(method: str, metadata: dict[str, str]) -> str | None:
+        if api_key is None or method not in methods or bearer_ok(metadata, api_key):
+            return None
+        return "missing or wrong API key (metadata authorization: Bearer ...)"
+    return check
+
+
+def secret_check(secret: str | None) -> Check:
+    """Check for the Worker service: every RPC needs the cluster secret when one is set."""
+    def check(method: str, metadata: dict[str, str]) -> str | None:
+        if not secret or secret_ok(metadata, secret):
+            return None
+        return f"missing or wrong cluster secret ({SECRET_KEY} metadata)"
+    return check
+
+
+def _read(path: str, name: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{name}: cannot read {path!r}: {e.strerror}") from None
+
+
+def add_port(server: grpc.aio.Server, addr: str, cert_file: str | None = None,
+             key_file: str | None = None) -> int:
+    """Bind `addr` (TLS when a certificate is given); returns the port, 0 when binding failed."""
+    if cert_file and key_file:
+        creds = grpc.ssl_server_credentials(
+            [(_read(key_file, "tls_key_file"), _read(cert_file, "tls_cert_file"))])
+        return server.add_secure_port(addr, creds)
+    return server.add_insecure_port(addr)
+
+
+def open_channel(addr: str, ca_file: str | None = None,
+                 options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """A client channel: TLS verified against `ca_file` when given, else plaintext."""
+    if ca_file:
+        creds = grpc.ssl_channel_credentials(root_certificates=_read(ca_file, "tls_ca_file"))
+        return grpc.aio.secure_channel(addr, creds, options=list(options))
+    return grpc.aio.insecure_channel(addr, options=list(options))
