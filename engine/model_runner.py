@@ -10,12 +10,11 @@ import os
 from dataclasses import dataclass
 
 import torch
-
 from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.config import CacheConfig, ModelConfig
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.req import Req
-from pdserve.engine.sampler import Sampler, SampleOutput, SamplingBatch
+from pdserve.engine.sampler import SampleOutput, Sampler, SamplingBatch
 from pdserve.engine.schedule_batch import ScheduleBatch
 
 
@@ -44,15 +43,37 @@ def num_kv_pages(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
     return max(2, min(int(budget // page_bytes), cap))
 
 
-def default_attention_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
-    """`torch` on CPU; on CUDA the fastest importable backend unless `name` picks one."""
+def default_attention_backend(device: torch.device, name: str | None = None,
+                              num_heads: int | None = None) -> AttentionBackend:
+    """`torch` on CPU; on CUDA `flashinfer` when importable, else `triton`, unless `name` picks
+    one (`torch`, `triton`, `flashinfer`). `num_heads` lets FlashInfer plan in init_forward."""
     from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 
-    if name in (None, "torch") or device.type != "cuda":
+    device = torch.device(device)
+    if name not in (None, "torch", "triton", "flashinfer"):
+        raise ValueError(f"attention_backend: unknown {name!r}")
+    if device.type != "cuda":
         if name not in (None, "torch"):
             raise ValueError(f"attention_backend: {name!r} needs a CUDA device")
         return TorchAttentionBackend()
-    raise ValueError(f"attention_backend: unknown {name!r}")
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name in (None, "flashinfer"):
+        try:
+            from pdserve.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+            return FlashInferAttentionBackend(device, num_heads)
+        except ImportError:
+            if name == "flashinfer":
+                raise
+    try:
+        from pdserve.engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(device)
+    except ImportError:
+        if name == "triton":
+            raise
+    return TorchAttentionBackend()
 
 
 @dataclass

@@ -16,15 +16,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from pdserve.kernels import page_copy  # noqa: E402
-from pdserve.kernels.attention_reference import (  # noqa: E402
+from pdserve.kernels import page_copy
+from pdserve.kernels.attention_reference import (
     decode_attention_reference,
     extend_attention_reference,
 )
-from pdserve.kernels.decode_attention import decode_attention  # noqa: E402
-from pdserve.kernels.extend_attention import extend_attention  # noqa: E402
-from pdserve.kernels.kv_store import store_kv, store_kv_reference  # noqa: E402
-from pdserve.kernels.page_copy_triton import gather_pages, scatter_pages  # noqa: E402
+from pdserve.kernels.decode_attention import decode_attention
+from pdserve.kernels.extend_attention import extend_attention
+from pdserve.kernels.kv_store import store_kv, store_kv_reference
+from pdserve.kernels.page_copy_triton import gather_pages, scatter_pages
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LAYERS, PAGE = 3, 4

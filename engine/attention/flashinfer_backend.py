@@ -1,0 +1,125 @@
+"""Attention through FlashInfer's paged wrappers, reading the page-major pool's per-layer views.
+
+Plan once per batch (`init_forward`), run once per layer. EXTEND uses
+BatchPrefillWithPagedKVCacheWrapper (causal, over cached prefix + new tokens, whose K/V are
+stored first); DECODE uses BatchDecodeWithPagedKVCacheWrapper, with tensor cores when the GQA
+group is >= 4. FlashInfer wants page-level tables: each sequence's token slots are page-aligned
+runs (offset j of a sequence sits at offset j % page_size of its page), so its pages are
+`kv_indices[kv_indptr[i]::page_size] // page_size` and its last page holds
+`(seq_len - 1) % page_size + 1` tokens. Those index positions are computed on the host from
+the host copies of the lengths, so planning needs no device sync.
+
+For CUDA graphs, `engine/cuda_graph.py` installs a decode wrapper built with
+`use_cuda_graph=True` (fixed batch size, fixed buffers) via `set_decode_wrapper`.
+"""
+
+from __future__ import annotations
+
+import torch
+from pdserve.engine.attention.base import AttentionBackend
+from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
+
+WORKSPACE_BYTES = 256 << 20
+
+
+def page_tables(fb: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(page_indptr [B+1] int32 host, page_indices [N] int32 device, last_page_len [B] int32
+    host) for FlashInfer, from the token-level `kv_indptr` / `kv_indices`."""
+    ps = fb.kv_pool.page_size
+    seq_lens = torch.tensor(fb.seq_lens_cpu if fb.seq_lens_cpu is not None
+                            else fb.seq_lens.tolist(), dtype=torch.int64)
+    num_pages = (seq_lens + ps - 1) // ps
+    page_indptr = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(num_pages, 0, out=page_indptr[1:])
+    kv_indptr = torch.zeros_like(page_indptr)
+    torch.cumsum(seq_lens, 0, out=kv_indptr[1:])
+    seq_of_page = torch.repeat_interleave(torch.arange(seq_lens.shape[0]), num_pages)
+    j = torch.arange(seq_of_page.shape[0]) - page_indptr[seq_of_page]
+    token_pos = (kv_indptr[seq_of_page] + j * ps).to(device, non_blocking=True)
+    pages = torch.div(fb.kv_indices[token_pos], ps, rounding_mode="floor").to(torch.int32)
+    last = ((seq_lens - 1) % ps + 1).to(torch.int32)
+    return page_indptr.to(torch.int32), pages, last
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    def __init__(self, device: torch.device | str, num_heads: int | None = None) -> None:
+        import flashinfer
+        from pdserve.kernels.kv_store import store_kv
+
+        self._flashinfer = flashinfer
+        self._store = store_kv
+        self.device = torch.device(device)
+        self.num_heads = num_heads  # known up front, or taken from the first layer's q
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self._decode: dict[bool, object] = {}  # use_tensor_cores -> eager decode wrapper
+        self._graph_decode: object | None = None
+        self._fb: ForwardBatch | None = None
+        self._planned: ForwardBatch | None = None
+        self._wrapper: object | None = None
+        self._scale = 0.0
+
+    @staticmethod
+    def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
+        return num_heads // num_kv_heads >= 4
+
+    def set_decode_wrapper(self, wrapper: object | None) -> None:
+        """A CUDA-graph decode wrapper for the next plans (None: back to the eager ones)."""
+        self._graph_decode = wrapper
+
+    def _decode_wrapper(self, tensor_cores: bool) -> object:
+        if self._graph_decode is not None:
+            return self._graph_decode
+        if tensor_cores not in self._decode:
+            self._decode[tensor_cores] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=tensor_cores)
+        return self._decode[tensor_cores]
+
+    def init_forward(self, fb: ForwardBatch) -> None:
+        self._fb = fb
+        if self.num_heads is not None:
+            self.plan(fb, self.num_heads, fb.kv_pool.head_dim**-0.5)
+
+    def plan(self, fb: ForwardBatch, num_heads: int, scale: float) -> None:
+        pool = fb.kv_pool
+        self._fb = fb
+        self._scale = scale
+        if fb.num_tokens == 0:
+            self._planned = fb
+            return
+        indptr, indices, last = page_tables(fb, self.device)
+        common = {"q_data_type": pool.dtype, "kv_data_type": pool.dtype, "sm_scale": scale}
+        if fb.mode == ForwardMode.DECODE:
+            tc = self.use_tensor_cores(num_heads, pool.num_kv_heads)
+            self._wrapper = self._decode_wrapper(tc)
+            self._wrapper.plan(indptr, indices, last, num_heads, pool.num_kv_heads,
+                               pool.head_dim, pool.page_size, **common)
+        else:
+            ext = torch.tensor(fb.extend_lens_cpu if fb.extend_lens_cpu is not None
+                               else fb.extend_lens.tolist(), dtype=torch.int64)
+            qo_indptr = torch.zeros(ext.shape[0] + 1, dtype=torch.int32)
+            torch.cumsum(ext, 0, out=qo_indptr[1:])
+            self._wrapper = self._prefill
+            self._prefill.plan(qo_indptr, indptr, indices, last, num_heads, pool.num_kv_heads,
+                               pool.head_dim, pool.page_size, causal=True, **common)
+        self._planned = fb
+
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fb: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        pool = fb.kv_pool
+        kc, vc = pool.k_view(layer_id), pool.v_view(layer_id)
+        self._store(kc, vc, fb.out_cache_loc, k, v)
+        if fb.num_tokens == 0:
+            return q.new_empty(q.shape)
+        if self._planned is not fb or abs(scale - self._scale) > 1e-12:
+            if self.num_heads is not None and self.num_heads != q.shape[1]:
+                raise ValueError(f"num_heads: planned {self.num_heads}, q has {q.shape[1]}")
+            self.plan(fb, q.shape[1], scale)
+        return self._wrapper.run(q, (kc, vc))  # type: ignore[attr-defined]
