@@ -93,11 +93,24 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.device = pool.device
         self.sampler = Sampler()
+        self.cuda_graph = None  # a CudaGraphDecodeRunner once enable_cuda_graph() captured
+
+    def enable_cuda_graph(self, max_batch_size: int = 256) -> None:
+        """Captures decode CUDA graphs for batch sizes up to `max_batch_size` (CUDA only;
+        larger decode batches and every extend batch stay eager)."""
+        from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
+
+        runner = CudaGraphDecodeRunner(self.model, self.pool, self.attn_backend, max_batch_size)
+        runner.capture()
+        self.cuda_graph = runner
 
     @torch.inference_mode()
     def forward(self, batch: ScheduleBatch, memory) -> torch.Tensor:
         """Logits [B, vocab] of the last new token of each request."""
         fb = batch.build(memory.req_to_token.table, self.pool, self.attn_backend, self.device)
+        if self.cuda_graph is not None and self.cuda_graph.can_run(fb):
+            # A view of the graph's static output: consumed (sampled) before the next step.
+            return self.cuda_graph.replay(fb)
         self.attn_backend.init_forward(fb)
         return self.model(fb)
 
