@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, build_engine_parts
@@ -25,6 +26,7 @@ class GenerateOutput:
     cached_tokens: int
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    num_retractions: int = 0  # times KV pressure sent it back to the waiting queue
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
@@ -120,5 +122,5 @@ class LLM:
             outs.append(GenerateOutput(
                 prompt, stream.text, list(req.output_ids), req.finish_reason or "abort",
                 len(req.input_ids), req.cached_tokens, list(req.output_logprobs),
-                list(req.output_top_logprobs)))
+                list(req.output_top_logprobs), req.num_retractions))
         return outs

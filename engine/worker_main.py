@@ -37,7 +37,12 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--router", default=None, help="router gRPC address to register with")
-    p.add_argument("--registration-secret", default="")
+    p.add_argument("--registration-secret", default="",
+                   help="cluster secret: presented to the router, and required (metadata "
+                        "x-pdserve-secret) on every Worker RPC")
+    p.add_argument("--tls-cert", default=None, help="gRPC server certificate (PEM): enables TLS")
+    p.add_argument("--tls-key", default=None, help="gRPC server private key (PEM)")
+    p.add_argument("--tls-ca", default=None, help="CA (PEM) to verify a TLS router with")
     p.add_argument("--transfer-backend", default="auto", help="auto|shm|tcp|ucx|cuda_ipc")
     p.add_argument("--bootstrap-timeout", type=float, default=10.0)
     p.add_argument("--waiting-timeout", type=float, default=30.0)
@@ -46,6 +51,8 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-misses", type=int, default=5,
                    help="a KV peer silent for interval x misses fails all its rooms")
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0 = torch's default); `pdserve up` splits the cores")
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -122,13 +129,16 @@ def _build(role: str, args: argparse.Namespace):
 async def _serve(role: str, args: argparse.Namespace) -> int:
     service, thread, closers = _build(role, args)
     thread.start()
-    server, port, health = await start_grpc_server(service, args.host, args.port)
+    server, port, health = await start_grpc_server(
+        service, args.host, args.port, args.registration_secret or None, args.tls_cert,
+        args.tls_key)
     service.address = f"{args.host}:{port}"
     stop = asyncio.Event()
     install_signal_handlers(stop)
     link = None
     if args.router:
-        link = RouterLink(args.router, service.info, service.load, args.registration_secret)
+        link = RouterLink(args.router, service.info, service.load, args.registration_secret,
+                          args.tls_ca)
         await link.start()
     print(f"worker ready role={role} grpc={service.address} "
           f"bootstrap={service.bootstrap_addr or '-'} id={service.worker_id}", flush=True)
@@ -163,6 +173,10 @@ def run(role: str, argv: list[str] | None) -> int:
     args = parser(role).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         return asyncio.run(_serve(role, args))
     except (ValueError, OSError) as e:

@@ -121,13 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         grpc_addr, http = ready["grpc"], ready["http"]
         roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["mixed"] * args.mixed
         gpus = _gpu_count() if args.device.startswith("cuda") else 0
+        # CPU workers share the cores: oversubscribed torch threads slow every matmul badly.
+        threads = [] if gpus else ["--threads", str(max(1, (os.cpu_count() or 1) // len(roles)))]
         for i, role in enumerate(roles):
             wenv = dict(env)
             if gpus:
                 wenv["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
             proc = _spawn(f"{role}-{i}", [role, "--model", args.model, "--device", args.device,
                                           "--host", args.host, "--router", grpc_addr,
-                                          *args.worker_arg], wenv)
+                                          *threads, *args.worker_arg], wenv)
             procs.append(proc)
         for proc in procs[1:]:
             proc.ready = _await_ready(proc, "worker", deadline)

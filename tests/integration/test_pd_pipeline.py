@@ -21,8 +21,8 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "def fibonacci(n):",
     "Water boils at",
-    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
-    "Repeat after me: the quick brown fox",
+    ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
+    "Repeat after me: the quick brown fox"),
 ]
 
 
@@ -35,7 +35,7 @@ def pd_cluster(smollm2_path):
     assert c.stop() == 0, "".join(c.log[-30:])
 
 
-def _client(cluster) -> "openai.OpenAI":
+def _client(cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0)
 
 
