@@ -24,10 +24,11 @@ def _dashboard_module():
 
 def _exported() -> set[str]:
     """Sample names of a router's /metrics once every metric has a sample."""
+    parse = pytest.importorskip("prometheus_client.parser").text_string_to_metric_families
+
     from pdserve.proto import pdserve_pb2 as pb
     from pdserve.router.events import TIMING_FIELDS, Usage
     from pdserve.router.metrics import RouterMetrics
-    from prometheus_client.parser import text_string_to_metric_families
 
     worker = SimpleNamespace(address="10.0.0.1:50061", role="decode", state="healthy", inflight=1,
                              load=pb.WorkerLoad(num_waiting=2, kv_pages_total=8))
@@ -37,7 +38,7 @@ def _exported() -> set[str]:
     m.on_tokens(0.02, 2)
     m.on_retry()
     m.on_finish("stop", Usage(5, 2, 1), dict.fromkeys(TIMING_FIELDS, 1.0))
-    return {s.name for fam in text_string_to_metric_families(m.render().decode())
+    return {s.name for fam in parse(m.render().decode())
             for s in fam.samples}
 
 

@@ -78,7 +78,7 @@ def _ports(container: dict) -> dict[str, int]:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_flag_is_accepted_by_its_role(overlay: str):
     roles = set()
-    for dep, c, role, args in _containers(overlay):
+    for dep, _c, role, args in _containers(overlay):
         roles.add(role)
         assert role in ROLES + ("router",), role
         assert dep["metadata"]["name"] == f"pdserve-{role}"
@@ -118,7 +118,7 @@ def test_workers_register_through_the_router_service(overlay: str):
     pod_ports = _ports(router["spec"]["template"]["spec"]["containers"][0])
     for name, p in svc_ports.items():
         assert p["targetPort"] in (name, pod_ports[name]) and name in pod_ports
-    for dep, _c, role, args in _containers(overlay):
+    for _dep, _c, role, args in _containers(overlay):
         if role != "router":
             host, port = args.router.rsplit(":", 1)
             assert host in (svc["metadata"]["name"],
