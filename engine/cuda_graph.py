@@ -15,6 +15,7 @@ only until the next replay.
 from __future__ import annotations
 
 import torch
+
 from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 from pdserve.engine.kv_pool import KVPool

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+
 from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.config import CacheConfig, ModelConfig
 from pdserve.engine.kv_pool import KVPool

@@ -16,6 +16,7 @@ For CUDA graphs, `engine/cuda_graph.py` installs a decode wrapper built with
 from __future__ import annotations
 
 import torch
+
 from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 
@@ -44,6 +45,7 @@ def page_tables(fb: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, .
 class FlashInferAttentionBackend(AttentionBackend):
     def __init__(self, device: torch.device | str, num_heads: int | None = None) -> None:
         import flashinfer
+
         from pdserve.kernels.kv_store import store_kv
 
         self._flashinfer = flashinfer

@@ -8,6 +8,7 @@ pass is CUDA-graph safe; `num_splits` is fixed per batch size.
 from __future__ import annotations
 
 import torch
+
 from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 
