@@ -78,7 +78,10 @@ class DecodeService(WorkerServiceBase):
                 raise BadRequest("room: must be a non-zero 63-bit id with a bootstrap_addr")
         except BadRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rid = request.request_id or f"room-{request.room}"
+        try:
+            rid = self.enter(request.request_id, request.room)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         chan = ReqChannel(asyncio.get_running_loop())
         ctx = DecodeCtx(request.room, request.bootstrap_addr, chan, request.skip_first_token,
                         t_arrival=time.perf_counter())
@@ -92,19 +95,17 @@ class DecodeService(WorkerServiceBase):
             except (ValueError, RuntimeError, OSError) as e:
                 chan.put(StreamEvent("error", message=f"rejected: {e}"))
 
-        if request.room:
-            self.rid_by_room[request.room] = rid
-        self.live.add(rid)
         finished = False
         try:
             self.thread.submit(add)
             while True:
                 ev = await chan.get()
                 if ev.kind == "tokens":
-                    yield pb.DecodeResponse(request_id=rid, chunk=ev.info["chunk"])
+                    yield pb.DecodeResponse(request_id=request.request_id, chunk=ev.info["chunk"])
                 elif ev.kind == "finish":
                     finished = True
-                    yield pb.DecodeResponse(request_id=rid, finish_reason=ev.finish_reason,
+                    yield pb.DecodeResponse(request_id=request.request_id,
+                                            finish_reason=ev.finish_reason,
                                             usage=ev.info["usage"], timings=ev.info["timings"])
                     return
                 else:
@@ -113,8 +114,7 @@ class DecodeService(WorkerServiceBase):
         finally:
             if not finished:  # client went away or the call was cancelled
                 self.submit_abort(rid, "decode stream cancelled")
-            self.live.discard(rid)
-            self.rid_by_room.pop(request.room, None)
+            self.leave(request.request_id, request.room, rid)
 
 
 class MixedService(DecodeService):

@@ -18,14 +18,20 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.grpc_auth import AuthInterceptor, add_port, open_channel, secret_check
 
 log = logging.getLogger(__name__)
 
 
-async def start_grpc_server(servicer: pb_grpc.WorkerServicer, host: str, port: int
+async def start_grpc_server(servicer: pb_grpc.WorkerServicer, host: str, port: int,
+                            secret: str | None = None, tls_cert: str | None = None,
+                            tls_key: str | None = None
                             ) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
+    """Worker + health + reflection. With `secret`, every Worker RPC needs it (metadata
+    x-pdserve-secret); with a certificate and key, the port speaks TLS."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
+                                      ("grpc.max_send_message_length", 64 << 20)],
+                             interceptors=[AuthInterceptor(secret_check(secret))])
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else \
         health.HealthServicer()
@@ -34,7 +40,7 @@ async def start_grpc_server(servicer: pb_grpc.WorkerServicer, host: str, port: i
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls_cert, tls_key)
     if bound == 0:
         raise OSError(f"port: cannot bind {host}:{port}")
     await server.start()
@@ -55,7 +61,8 @@ class RouterLink:
     """Registration + heartbeat lease with a router's Router service."""
 
     def __init__(self, router_addr: str, info_fn: Callable[[], pb.WorkerInfo],
-                 load_fn: Callable[[], pb.WorkerLoad], secret: str = "") -> None:
+                 load_fn: Callable[[], pb.WorkerLoad], secret: str = "",
+                 ca_file: str | None = None) -> None:
         self.router_addr = router_addr
         self.info_fn = info_fn
         self.load_fn = load_fn
@@ -63,7 +70,7 @@ class RouterLink:
         self.worker_id = ""
         self.interval_s = 1.0
         self.draining = False
-        self._channel = grpc.aio.insecure_channel(router_addr)
+        self._channel = open_channel(router_addr, ca_file)
         self._stub = pb_grpc.RouterStub(self._channel)
         self._task: asyncio.Task | None = None
 

@@ -28,9 +28,31 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
         self.draining = False
         self.worker_id = f"{self.role}-{secrets.token_hex(4)}"
         self.rid_by_room: dict[int, str] = {}
-        self.live: set[str] = set()  # request ids between arrival and the end of their RPC
+        self.rid_by_request: dict[str, str] = {}  # client request id -> latest internal rid
+        self.live: set[str] = set()  # internal rids between arrival and the end of their RPC
 
     # ---- helpers -----------------------------------------------------------------------------
+
+    def enter(self, request_id: str, room: int) -> str:
+        """Register an arriving request; returns its internal id. A retried request reuses
+        its request id with a fresh room, so the scheduler keys requests by both: a late
+        Abort of the failed attempt (by room) never hits the retry."""
+        rid = f"{request_id or 'req'}@{room}"
+        if rid in self.live:
+            raise ValueError(f"room: {room} is already in use on this worker")
+        self.live.add(rid)
+        if room:
+            self.rid_by_room[room] = rid
+        if request_id:
+            self.rid_by_request[request_id] = rid
+        return rid
+
+    def leave(self, request_id: str, room: int, rid: str) -> None:
+        self.live.discard(rid)
+        if self.rid_by_room.get(room) == rid:
+            del self.rid_by_room[room]
+        if self.rid_by_request.get(request_id) == rid:
+            del self.rid_by_request[request_id]
 
     def info(self) -> pb.WorkerInfo:
         return pb.WorkerInfo(
@@ -67,7 +89,10 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
         return pb.StatusResponse(info=self.info())
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        rid = request.request_id or self.rid_by_room.get(request.room, "")
+        if request.room:  # an attempt: only that room, never a retry of the same request
+            rid = self.rid_by_room.get(request.room, "")
+        else:
+            rid = self.rid_by_request.get(request.request_id, "")
         found = bool(rid) and rid in self.live
         if rid:
             self.submit_abort(rid, request.reason or "aborted by router")

@@ -48,7 +48,7 @@ class PrefillCtx:
             queue_ms=max(0.0, (time.perf_counter() - self.t_ready) * ms - req.prefill_s * ms),
             prefill_ms=req.prefill_s * ms)
         self._resolve(pb.PrefillResponse(
-            request_id=req.rid, first=first, cached_tokens=req.cached_tokens,
+            request_id=req.rid.rpartition("@")[0], first=first, cached_tokens=req.cached_tokens,
             finish_reason=req.finish_reason or "", timings=timings))
 
     def on_done(self, req: Req) -> None:
@@ -71,7 +71,10 @@ class PrefillService(WorkerServiceBase):
                 raise BadRequest("room: must be a non-zero 63-bit id")
         except BadRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rid = request.request_id or f"room-{request.room}"
+        try:
+            rid = self.enter(request.request_id, request.room)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         loop = asyncio.get_running_loop()
         ctx = PrefillCtx(request.room, loop, loop.create_future(), t_arrival=time.perf_counter())
         req = Req(rid, ids, sp)
@@ -85,8 +88,6 @@ class PrefillService(WorkerServiceBase):
                 ctx.error = f"rejected: {e}"
                 ctx.on_done(req)
 
-        self.rid_by_room[request.room] = rid
-        self.live.add(rid)
         try:
             self.thread.submit(add)
             result = await ctx.reply
@@ -94,8 +95,7 @@ class PrefillService(WorkerServiceBase):
             self.submit_abort(rid, "prefill call cancelled")
             raise
         finally:
-            self.live.discard(rid)
-            self.rid_by_room.pop(request.room, None)
+            self.leave(request.request_id, request.room, rid)
         if isinstance(result, str):
             await context.abort(grpc.StatusCode.ABORTED, f"room {request.room}: {result}")
         return result

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
+
 from pdserve.engine.stop import TextStream
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.router.events import FlowEvent, TokenLogprob, Usage, merge_timings, timings_to_dict
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
 
 # How long the final message waits for the prefill answer (for its timings) after decode ended.
 PREFILL_GRACE_S = 1.0
+# While a leg is silent this long, the attempt checks that its worker is still in the registry
+# and not unhealthy: a hung or stopped worker (no RST, so gRPC sees nothing) fails the attempt
+# within a health-check round instead of waiting for the request deadline.
+LIVENESS_CHECK_S = 1.0
 
 
 class LegFailure(Exception):
@@ -81,7 +86,11 @@ class Attempt:
             next_msg = asyncio.ensure_future(decode_call.read())
             pending = {t for t in (next_msg, abort_wait, prefill_task) if t is not None}
             while True:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(pending, timeout=LIVENESS_CHECK_S,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    self._check_legs_alive(prefill_task)
+                    continue
                 if prefill_task is not None and prefill_task in done:
                     pending.discard(prefill_task)
                     self._take_prefill(prefill_task)
@@ -124,6 +133,18 @@ class Attempt:
                 [self.prefill] if prefill_open and self.prefill is not None else [])
             if targets:
                 self.flow.send_aborts(self.room, self.req.request_id, targets, "router abort")
+
+    def _check_legs_alive(self, prefill_task: asyncio.Task | None) -> None:
+        registry = self.flow.registry
+        legs = [("decode", self.decode)]
+        if self.prefill is not None and prefill_task is not None and not prefill_task.done():
+            legs.append(("prefill", self.prefill))
+        for leg, worker in legs:
+            entry = registry.get(worker.worker_id)
+            if entry is None or entry.state == "unhealthy":
+                why = "left the registry" if entry is None else "failed its health check"
+                raise LegFailure(worker, leg, grpc.StatusCode.UNAVAILABLE,
+                                 f"the worker {why} while serving the request")
 
     def _take_prefill(self, task: asyncio.Task, final: bool = False) -> None:
         exc = task.exception()

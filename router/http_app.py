@@ -15,13 +15,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from pdserve.router import openai_format as fmt
 from pdserve.router.core import RouterCore
 from pdserve.router.errors import BodyTooLarge, InvalidRequest, NotFound, RouterError, Unauthorized
 from pdserve.router.fanout import FanOut
 from pdserve.router.openai_schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from pdserve.router.prepare import PreparedRequest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None,

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.router.errors import InvalidRequest
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pdserve.router.errors import InvalidRequest
 
 MAX_N = 16
 

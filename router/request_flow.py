@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+
 from pdserve.engine.stop import TextStream
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.router.attempt import Attempt, LegFailure

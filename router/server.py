@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import uvicorn
+
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import RouterCore
 from pdserve.router.http_app import create_app
