@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
 from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
@@ -25,14 +27,22 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in copies:
+        np.copyto(dst, src)
+
+
 class ShmEngine(TransferEngine):
     name = "shm"
     one_sided = True
 
-    def __init__(self, shm_pool: ShmPoolBuffer | None = None, **_: Any) -> None:
+    def __init__(self, shm_pool: ShmPoolBuffer | None = None, copy_threads: int = 2,
+                 **_: Any) -> None:
         super().__init__()
         self._shm_pool = shm_pool  # receiver: our pool's segment (owned by the caller)
         self._peers: dict[str, ShmPoolBuffer] = {}  # sender: peers' pools, attached (not owned)
+        self._threads = max(1, min(copy_threads, os.cpu_count() or 1))
+        self._pool: ThreadPoolExecutor | None = None  # copy workers (the transfer thread's)
 
     @staticmethod
     def usable(peer_info: dict[str, Any]) -> bool:
@@ -64,8 +74,20 @@ class ShmEngine(TransferEngine):
         for d in header.descs:
             if d.dst_page <= 0 or d.dst_page + d.num_pages > dst.shape[0]:
                 raise ValueError(f"destination page {d.dst_page}+{d.num_pages} outside pool")
-            dst[d.dst_page:d.dst_page + d.num_pages].copy_(
-                src[d.src_page:d.src_page + d.num_pages])
+        # numpy's copy is a plain memcpy with the GIL released: ~2x torch's per-call cost on
+        # small runs; two threads keep both memory channels busy on scattered pages.
+        src_b = src.view(src.shape[0], -1).view(torch.uint8).numpy()
+        dst_b = dst.view(dst.shape[0], -1).view(torch.uint8).numpy()
+        copies = [(dst_b[d.dst_page:d.dst_page + d.num_pages],
+                   src_b[d.src_page:d.src_page + d.num_pages]) for d in header.descs]
+        if self._threads <= 1 or len(copies) < 2:
+            _copy_all(copies)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kv-shm-copy")
+        parts = [copies[k::self._threads] for k in range(self._threads)]
+        for f in [self._pool.submit(_copy_all, part) for part in parts]:
+            f.result()
 
     def drop_peer(self, peer: str) -> None:
         buf = self._peers.pop(peer, None)
@@ -73,6 +95,9 @@ class ShmEngine(TransferEngine):
             buf.close()
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for peer in list(self._peers):
             self.drop_peer(peer)
         super().close()

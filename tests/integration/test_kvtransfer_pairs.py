@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+
 from pdserve.kvtransfer import AuxData, KVManager, KVPoll, TransferConfig
 from pdserve.kvtransfer.peer import PeerProcess, PoolSpec, make_pool
 
@@ -39,15 +40,10 @@ def _wait(obj: object, target: KVPoll, timeout: float = 10.0) -> KVPoll:
     return obj.poll()  # type: ignore[attr-defined]
 
 
-def _shm_names() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("pdkv_")}
-
-
 @pytest.fixture
 def decode_local(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     """A decode KVManager in this process (pool zeroed; in shm for the shm backend)."""
     made: list[tuple[KVManager, object]] = []
-    before = _shm_names()
 
     def make(backend: str, **kw: object) -> tuple[KVManager, torch.Tensor]:
         spec = _spec(None, shm=backend == "shm", **kw.pop("spec", {}))  # type: ignore[arg-type]
@@ -62,7 +58,7 @@ def decode_local(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def
         assert mgr.registered_regions() == []
         if shm is not None:
             shm.close()  # type: ignore[attr-defined]
-    assert _shm_names() <= before  # every segment unlinked
+        assert not os.path.exists(f"/dev/shm/{shm.name}")  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
