@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
+
 from pdserve.kvtransfer.backends import available_backends
 from pdserve.kvtransfer.bench_worker import SenderProcess
 from pdserve.kvtransfer.config import TransferConfig
@@ -27,7 +29,6 @@ from pdserve.kvtransfer.descriptors import merge_runs
 from pdserve.kvtransfer.manager import KVManager
 from pdserve.kvtransfer.peer import PoolSpec, make_pool, page_checksum
 from pdserve.kvtransfer.poll import KVPoll
-from tqdm import tqdm
 
 # (num_layers, num_kv_heads, head_dim)
 MODEL_SHAPES = {

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import zmq
+
 from pdserve.kvtransfer import control as C
 from pdserve.kvtransfer.aux import AuxSlots
 from pdserve.kvtransfer.config import TransferConfig

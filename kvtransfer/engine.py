@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
 from pdserve.kvtransfer.aux import AuxData
 from pdserve.kvtransfer.descriptors import Descriptor
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from typing_extensions import Self
+
 from pdserve.kvtransfer.backends import make_engine
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.decode_side import DecodeSide
@@ -15,7 +17,6 @@ from pdserve.kvtransfer.prefill_side import PrefillSide
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
 from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
-from typing_extensions import Self
 
 
 def _decode_backends(config: TransferConfig, pool: torch.Tensor, shm: bool) -> list[str]:

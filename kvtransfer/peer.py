@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+
 from pdserve.kvtransfer.aux import AuxData
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.fingerprint import Fingerprint

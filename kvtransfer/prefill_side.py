@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import zmq
+
 from pdserve.kvtransfer import control as C
 from pdserve.kvtransfer.backends import make_engine
 from pdserve.kvtransfer.backends.shm import ShmEngine

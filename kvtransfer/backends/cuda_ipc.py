@@ -17,13 +17,14 @@ import pickle
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
 from pdserve.kvtransfer.descriptors import Descriptor
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
 
 log = logging.getLogger("pdserve.kvtransfer")
 _DIRECT_MAX_DESCS = 8  # up to this many runs: one peer copy each, no staging
 _STAGING_PAGES = 256  # pages per gather / peer copy / scatter piece
-from torch.multiprocessing.reductions import reduce_tensor
 
 
 def _coalesce(descs: tuple[Descriptor, ...]) -> list[tuple[int, int, int]]:

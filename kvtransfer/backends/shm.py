@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
 from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import zmq
+
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
 
 log = logging.getLogger("pdserve.kvtransfer")

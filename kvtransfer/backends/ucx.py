@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 import torch
+
 from pdserve.kernels.page_copy import gather_pages, scatter_pages
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
 

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+
 from pdserve.kvtransfer import KVManager, KVPoll, TransferConfig
 from pdserve.kvtransfer.peer import PeerProcess, PoolSpec, make_pool, page_checksum
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+
 from pdserve.kvtransfer import KVManager, KVPoll, TransferConfig
 from pdserve.kvtransfer.backends.tcp import TcpEngine
 from pdserve.kvtransfer.descriptors import Descriptor

@@ -58,7 +58,7 @@ def decode_local(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def
         assert mgr.registered_regions() == []
         if shm is not None:
             shm.close()  # type: ignore[attr-defined]
-        assert not os.path.exists(f"/dev/shm/{shm.name}")  # type: ignore[attr-defined]
+            assert not os.path.exists(f"/dev/shm/{shm.name}")  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -120,7 +120,7 @@ def test_killed_prefill_fails_its_rooms_within_heartbeat(backend: str, decode_lo
     prefill = PeerProcess("prefill", _spec(seed=3), _cfg(backend))
     dmgr, _ = decode_local(backend)
     rs = [dmgr.create_receiver(room, prefill.bootstrap_addr) for room in (7, 8, 9)]
-    for room, r in zip((7, 8, 9), rs):
+    for room, r in zip((7, 8, 9), rs, strict=True):
         prefill.call("create_sender", room)
         r.init([room])
     assert _wait(rs[0], KVPoll.WaitingForInput) == KVPoll.WaitingForInput

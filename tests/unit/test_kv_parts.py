@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pdserve.kernels.page_copy import gather_pages, scatter_pages
 from pdserve.kvtransfer import AuxData, Fingerprint, FingerprintMismatch, KVPoll, TransferConfig
 from pdserve.kvtransfer.aux import AuxSlots
