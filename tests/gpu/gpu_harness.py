@@ -26,9 +26,10 @@ def llama3_8b_config(num_layers: int = 32) -> ModelConfig:
 
 
 def small_config(num_layers: int = 2, heads: int = 8, kv_heads: int = 2) -> ModelConfig:
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=512,
-                       intermediate_size=1024, num_layers=num_layers, num_heads=heads,
-                       num_kv_heads=kv_heads, head_dim=64, max_position_embeddings=4096)
+    """head_dim 128 and GQA group 4 as in Llama-3-8B, so FlashInfer JIT modules are shared."""
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=heads * 128,
+                       intermediate_size=2048, num_layers=num_layers, num_heads=heads,
+                       num_kv_heads=kv_heads, head_dim=128, max_position_embeddings=4096)
 
 
 @torch.no_grad()
