@@ -20,9 +20,7 @@ BODY = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0
 
 def test_prefill_killed_with_requests_inside_retries_on_fresh_pair(procs):
     procs.start_router()
-    victim = procs.start_worker("prefill")
-    procs.start_worker("prefill")
-    procs.start_worker("decode")
+    victim, _, _ = procs.start_workers("prefill", "prefill", "decode")
     procs.wait_healthy(3)
     url = f"{procs.url}/v1/completions"
     # Frozen, the victim holds every request sent to it (in bootstrap or prefill) when killed.

@@ -59,37 +59,49 @@ class ProcCluster:
         self.router: Proc | None = None
 
     # ---- processes -------------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str], prefix: str) -> Proc:
+    def _launch(self, name: str, argv: list[str]) -> Proc:
         popen = subprocess.Popen([sys.executable, "-m", "pdserve", *argv],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  start_new_session=True)
         proc = Proc(name, popen)
         self.procs.append(proc)
+        return proc
+
+    def _await_ready(self, proc: Proc, prefix: str) -> Proc:
+        popen = proc.popen
         deadline = time.monotonic() + READY_TIMEOUT_S
         assert popen.stdout is not None
         while time.monotonic() < deadline:
             line = popen.stdout.readline()
             if not line:
-                raise RuntimeError(f"{name} exited before ready:\n{proc.tail()}")
+                raise RuntimeError(f"{proc.name} exited before ready:\n{proc.tail()}")
             proc.log.append(line)
             if line.startswith(f"{prefix} ready"):
                 proc.fields = dict(kv.split("=", 1) for kv in line.split()[2:] if "=" in kv)
                 threading.Thread(target=lambda: [proc.log.append(x) for x in popen.stdout],
                                  daemon=True).start()
                 return proc
-        raise RuntimeError(f"{name}: not ready in time:\n{proc.tail()}")
+        raise RuntimeError(f"{proc.name}: not ready in time:\n{proc.tail()}")
 
     def start_router(self, *args: str, grpc_port: int = 0) -> Proc:
-        self.router = self._spawn("router", ["router", "--model", self.model, "--port", "0",
-                                             "--grpc-port", str(grpc_port), "--log-level",
-                                             "warning", *FAST_ROUTER_ARGS, *args], "router")
+        self.router = self._await_ready(self._launch("router", [
+            "router", "--model", self.model, "--port", "0", "--grpc-port", str(grpc_port),
+            "--log-level", "warning", *FAST_ROUTER_ARGS, *args]), "router")
         return self.router
 
-    def start_worker(self, role: str, *args: str) -> Proc:
+    def start_workers(self, *roles: str, args: tuple[str, ...] = ()) -> list[Proc]:
+        """Start workers (in parallel) that register with the router; wait for them all."""
         assert self.router is not None
-        n = sum(1 for p in self.procs if p.name.startswith(role))
-        return self._spawn(f"{role}-{n}", [role, "--model", self.model, "--router",
-                                           self.grpc_addr, *FAST_WORKER_ARGS, *args], "worker")
+        started = []
+        for role in roles:
+            n = sum(1 for p in self.procs if p.name.startswith(role))
+            started.append(self._launch(f"{role}-{n}", [
+                role, "--model", self.model, "--router", self.grpc_addr, *FAST_WORKER_ARGS,
+                *args]))
+        return [self._await_ready(p, "worker") for p in started]
+
+    def start_worker(self, role: str, *args: str) -> Proc:
+        return self.start_workers(role, args=args)[0]
 
     def close(self) -> None:
         for p in self.procs:
