@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve ready {http} prefill={args.prefill} decode={args.decode} "
               f"mixed={args.mixed}", flush=True)
         while not stop.is_set():
+            # A worker that drained (SIGTERM, exit 0) just leaves; anything else is fatal.
+            procs = [p for p in procs if p.name == "router" or p.popen.poll() != 0]
             dead = [p for p in procs if p.popen.poll() is not None]
             if dead:
                 print(f"pdserve up: {dead[0].name} exited with {dead[0].popen.returncode}",
