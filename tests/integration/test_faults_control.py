@@ -1,0 +1,56 @@
+"""Control-plane faults with real processes: the router restarted under load (workers
+re-register, in-flight requests end cleanly), a worker drained with SIGTERM."""
+# ruff: noqa: F811  (pytest fixtures imported from test_faults_procs)
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import signal
+
+from test_faults_decode import LONG, SHORT, _streams
+from test_faults_procs import post, procs  # noqa: F401 (fixture)
+
+
+def test_router_restart_workers_reregister_and_free(procs):
+    router = procs.start_router()
+    procs.start_workers("prefill", "decode")
+    procs.wait_healthy(2)
+    grpc_port = int(procs.grpc_addr.rpartition(":")[2])
+    with cf.ThreadPoolExecutor(4) as pool:
+        streams, futures = _streams(pool, f"{procs.url}/v1/completions", 4, LONG)
+        for s in streams:
+            assert s.first.wait(120)
+        router.signal(signal.SIGKILL)
+        cf.wait(futures, timeout=60)
+    assert all(f.done() for f in futures)
+    assert all(s.error or s.finish == "length" for s in streams)  # ended, none hangs
+    # A new router on the same gRPC address: the workers find it and register again.
+    procs.start_router(grpc_port=grpc_port)
+    procs.wait_healthy(2, 60)
+    procs.wait_idle(60)  # the dropped streams were aborted on the workers: nothing leaked
+    status, body = post(f"{procs.url}/v1/completions", SHORT)
+    assert status == 200, body
+
+
+def test_sigterm_drains_worker(procs):
+    procs.start_router()
+    _, draining, _ = procs.start_workers("prefill", "decode", "decode")
+    procs.wait_healthy(3)
+    url = f"{procs.url}/v1/completions"
+    with cf.ThreadPoolExecutor(6) as pool:
+        streams, futures = _streams(pool, url, 6, LONG)
+        for s in streams:
+            assert s.first.wait(120)
+        draining.signal(signal.SIGTERM)
+        # Admissions stop at once: new requests go to the other decode worker.
+        procs.wait_workers(lambda ws: all(w["address"] != draining.fields["grpc"]
+                                          or w["state"] != "healthy" for w in ws), 30)
+        status, body = post(url, SHORT)
+        assert status == 200, body
+        cf.wait(futures, timeout=180)
+    # In-flight requests finished normally; the worker deregistered and exited 0.
+    assert all(s.finish == "length" and not s.error for s in streams), \
+        [s.__dict__ for s in streams]
+    assert draining.wait(60) == 0, draining.tail()
+    procs.wait_workers(lambda ws: all(w["address"] != draining.fields["grpc"] for w in ws), 30)
+    procs.wait_idle(60)
