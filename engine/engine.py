@@ -20,6 +20,8 @@ class EngineConfig:
     dtype: str | None = None  # default float32 on CPU, bfloat16 on CUDA
     attention_backend: str | None = None
     disable_radix_cache: bool = False
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -75,6 +77,9 @@ def build_engine_parts(config: EngineConfig, pool_buffer: torch.Tensor | None = 
         else KVPool(num_pages, model_config.num_layers, cache.page_size,
                     model_config.num_kv_heads, model_config.head_dim, dtype, device, pool_buffer)
     memory = KVMemory(pool, cache.max_reqs, max_ctx, config.disable_radix_cache)
-    runner = ModelRunner(model, model_config, pool,
-                         default_attention_backend(device, config.attention_backend))
+    backend = default_attention_backend(device, config.attention_backend,
+                                        num_heads=model_config.num_heads)
+    runner = ModelRunner(model, model_config, pool, backend)
+    if device.type == "cuda" and not config.disable_cuda_graph:
+        runner.enable_cuda_graph(min(config.cuda_graph_max_bs, config.scheduler.max_running))
     return EngineParts(config, runner, memory, tokenizer, time.perf_counter() - t0)
