@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint proto gpu-check clean
+.PHONY: install serve test soak lint proto gpu-check clean
 
 install: $(STAMP)
 
@@ -24,6 +24,12 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+
+# Minutes of hundreds of concurrent streaming clients on loopback (tiny model, CPU); prints a
+# `soak-result {...}` line. Knobs: PDSERVE_SOAK_SECONDS (180), PDSERVE_SOAK_CLIENTS (256).
+soak: install
+	PDSERVE_SOAK=1 $(BIN)/python -m pytest -q -s -m slow tests/integration/test_faults_soak.py \
+	  $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
