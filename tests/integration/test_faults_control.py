@@ -54,3 +54,40 @@ def test_sigterm_drains_worker(procs):
     assert draining.wait(60) == 0, draining.tail()
     procs.wait_workers(lambda ws: all(w["address"] != draining.fields["grpc"] for w in ws), 30)
     procs.wait_idle(60)
+
+
+def test_conditional_disaggregation_on_real_workers(procs):
+    """--disagg-threshold: short prompts are prefilled on the decode worker (empty bootstrap
+    address), long ones go through prefill; each response and the metrics say which and why.
+    With --local-prefill-fallback, losing every prefill worker keeps the service up."""
+    procs.start_router("--disagg-threshold=32", "--local-prefill-fallback")
+    prefill, decode = procs.start_workers("prefill", "decode")
+    procs.wait_healthy(2)
+    url = f"{procs.url}/v1/completions"
+    status, short = post(url, {"prompt": "hello there", "max_tokens": 4, "temperature": 0})
+    assert status == 200, short
+    info = short["pdserve"]["choices"][0]
+    assert info["prefill_worker"] == "" and info["decode_worker"] == decode.fields["grpc"]
+    assert info["disaggregation"]["disaggregated"] is False
+    assert info["disaggregation"]["reason"] == "short_prompt"
+    status, long = post(url, {"prompt": "word " * 60, "max_tokens": 4, "temperature": 0})
+    assert status == 200, long
+    info = long["pdserve"]["choices"][0]
+    assert info["prefill_worker"] == prefill.fields["grpc"]
+    assert info["disaggregation"] == {"disaggregated": True, "reason": "long_prompt",
+                                      "prompt_len": long["usage"]["prompt_tokens"],
+                                      "uncached_len": long["usage"]["prompt_tokens"],
+                                      "threshold": 32}
+    metrics = procs.metrics()
+    assert 'pdserve_router_disagg_decisions_total{decision="local",reason="short_prompt"} 1.0' \
+        in metrics
+    assert 'pdserve_router_disagg_decisions_total{decision="remote",reason="long_prompt"} 1.0' \
+        in metrics
+    prefill.signal(signal.SIGKILL)
+    procs.wait_workers(lambda ws: not any(w["role"] == "prefill" and w["state"] == "healthy"
+                                          for w in ws), 30)
+    status, body = post(url, {"prompt": "word " * 60, "max_tokens": 4})
+    assert status == 200, body
+    assert body["pdserve"]["choices"][0]["disaggregation"]["reason"] == "no_prefill_worker"
+    procs.wait_workers(lambda ws: all(w["kv_pages_in_use"] == 0 for w in ws
+                                      if w["role"] == "decode"), 60)
