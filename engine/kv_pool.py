@@ -50,7 +50,7 @@ class KVPool:
     def for_model(
         cls, model: ModelConfig, cache: CacheConfig, num_pages: int, dtype: torch.dtype,
         device: torch.device | str,
-    ) -> "KVPool":
+    ) -> KVPool:
         return cls(num_pages, model.num_layers, cache.page_size, model.num_kv_heads,
                    model.head_dim, dtype, device)
 
@@ -71,10 +71,25 @@ class KVPool:
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V ([T, kv_heads, head_dim]) at token slots [T]."""
+        if self.buffer.is_contiguous():
+            # Rows of the flat view: index_copy_ of whole rows is a run of small memcpys, far
+            # faster than advanced indexing of the strided per-layer view.
+            rows = self.k_rows(layer, slots)
+            flat = self.buffer.view(-1, self.num_kv_heads, self.head_dim)
+            flat.index_copy_(0, rows, k.to(self.dtype))
+            flat.index_copy_(0, rows + self.page_size, v.to(self.dtype))
+            return
         pages = torch.div(slots, self.page_size, rounding_mode="floor")
         offs = slots - pages * self.page_size
         self._k[layer][pages, offs] = k.to(self.dtype)
         self._v[layer][pages, offs] = v.to(self.dtype)
+
+    def k_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Row indices of K for `slots` in `buffer.view(-1, kv_heads, head_dim)`; V rows are
+        these + page_size."""
+        ps = self.page_size
+        pages = torch.div(slots, ps, rounding_mode="floor")
+        return pages * (self.num_layers * 2 * ps) + (slots - pages * ps) + layer * 2 * ps
 
     def get_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V at token slots (any shape S) -> [*S, kv_heads, head_dim] each (a gather copy)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 
@@ -77,8 +78,7 @@ class TorchAttentionBackend(AttentionBackend):
         # index_select of rows is a run of small memcpys, where indexing the strided per-layer
         # view with (page, offset) pairs goes through generic advanced indexing, ~100x slower.
         ps = pool.page_size
-        pages = torch.div(slots, ps, rounding_mode="floor")
-        rows = pages * (pool.num_layers * 2 * ps) + (slots - pages * ps) + layer_id * 2 * ps
+        rows = pool.k_rows(layer_id, slots)
         flat = buf.view(-1, pool.num_kv_heads, pool.head_dim)
         k = flat.index_select(0, rows.reshape(-1)).view(*slots.shape, *flat.shape[1:])
         v = flat.index_select(0, (rows + ps).reshape(-1)).view(*slots.shape, *flat.shape[1:])
