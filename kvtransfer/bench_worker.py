@@ -23,7 +23,7 @@ def _run_wave(mgr: KVManager, pool: Any, plan: list[tuple[int, list[int]]],
     while any(s.poll() < KVPoll.WaitingForInput for _, s, _ in senders):
         if time.monotonic() - t0 > timeout_s:
             break
-        time.sleep(0.0002)
+        time.sleep(0.0005)
     starts: dict[int, float] = {}
     for room, s, src in senders:
         starts[room] = time.monotonic()
@@ -35,7 +35,7 @@ def _run_wave(mgr: KVManager, pool: Any, plan: list[tuple[int, list[int]]],
     while any(s.poll() not in (KVPoll.Success, KVPoll.Failed) for _, s, _ in senders):
         if time.monotonic() - t0 > timeout_s:
             break
-        time.sleep(0.0002)
+        time.sleep(0.0005)
     failed = {room: s.failure_reason or str(s.poll()) for room, s, _ in senders
               if s.poll() != KVPoll.Success}
     sums = {room: page_checksum(pool, src) for room, _, src in senders}

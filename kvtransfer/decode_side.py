@@ -224,6 +224,10 @@ class DecodeSide:
                 self._finish_fail(r, f"prefill aborted: {body.get('reason')}")
         elif kind == C.NOTIFY:
             header = ChunkHeader.from_bytes(str(body["header"]).encode())
+            if body.get("done"):
+                eng = next((e for e in self.engines if e.name == peer.backend), None)
+                if eng is not None:
+                    eng.wait_completion(body["done"])
             self.place_chunk(peer.addr, header, None, lambda views: None)
 
     def _drop_peer(self, peer: _PrefillPeer, reason: str) -> None:

@@ -90,6 +90,18 @@ class TransferEngine(ABC):
         """Move the header's descriptors from the local "kv" region into the peer's pool.
         Blocks until the local pages may be reused; raises on failure."""
 
+    def completion(self) -> dict[str, Any]:
+        """One-sided engines whose write() returns before the bytes land: what the receiver
+        needs to wait for them (sent with the chunk's NOTIFY). Empty: already complete."""
+        return {}
+
+    def quiesce(self) -> None:
+        """Block until no write is in flight (a room is being failed: its pages may be reused
+        by their owners as soon as this returns). Any thread."""
+
+    def wait_completion(self, token: dict[str, Any]) -> None:
+        """Receiver side: block until the writes a `completion()` token covers have landed."""
+
     def drop_peer(self, peer: str) -> None:
         """Forget a peer's connection (it died or restarted)."""
 

@@ -88,9 +88,12 @@ class PrefillSide:
         self._jobs.put((sender, header))
 
     def fail_room(self, sender: KVSender, reason: str, tell_peer: bool) -> None:
-        with sender.write_lock:  # waits for a one-sided write of this room to finish
+        with sender.write_lock:  # waits for a one-sided write of this room to be issued
             if not sender.state.fail(reason):
                 return
+            eng = self._engines.get(sender.backend)
+            if eng is not None:
+                eng.quiesce()  # ...and to land: decode may reuse its pages once we confirm
         self._release(sender.room)
         if tell_peer and sender.peer is not None:
             peer = sender.peer
@@ -274,9 +277,9 @@ class PrefillSide:
                         continue
                     eng.write(sender.peer.hex(), sender.peer_info, header)  # type: ignore
                 if eng.one_sided:
+                    body = {"header": header.to_bytes().decode(), "done": eng.completion()}
                     peer = sender.peer
-                    self.loop.call(lambda p=peer, h=header: self._send(
-                        p, C.NOTIFY, {"header": h.to_bytes().decode()}))  # type: ignore
+                    self.loop.call(lambda p=peer, b=body: self._send(p, C.NOTIFY, b))  # type: ignore
             except Exception as e:  # noqa: BLE001 - any transport error fails the room
                 log.warning("room %d: transfer failed: %s", sender.room, e)
                 sender.abort(f"transfer failed: {e}")

@@ -3,7 +3,9 @@ through a CUDA IPC mapping (NVLink / PCIe peer copy), one copy per descriptor on
 
 The receiver shares its pool's IPC handle at handshake (torch's CUDA tensor reduction); the
 sender maps it once per peer. As with shm, the sender validates destinations (the manager does)
-and the chunk header follows over the control channel once the copies completed.
+and the chunk header follows over the control channel; write() only issues the copies and the
+header carries an IPC event that the receiver waits on before it counts the pages, so the
+control path overlaps the copy.
 Ownership: the receiver's pool must outlive every peer mapping; the manager's abort handshake
 guarantees no copy is in flight when decode reuses a failed room's pages.
 """
@@ -75,6 +77,8 @@ class CudaIpcEngine(TransferEngine):
         self._peers: dict[str, torch.Tensor] = {}  # sender: mapped peer pools (not owned)
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self._stage: tuple[torch.Tensor, torch.Tensor] | None = None  # src-GPU, dst-GPU
+        self._event: torch.cuda.Event | None = None  # sender: last chunk's copies done
+        self._peer_events: dict[bytes, torch.cuda.Event] = {}  # receiver: opened handles
 
     def start_receiver(self, handler: ReceiveHandler) -> dict[str, Any]:
         pool = self.region("kv")
@@ -107,6 +111,9 @@ class CudaIpcEngine(TransferEngine):
         if self._streams is None:
             self._streams = (torch.cuda.Stream(device=src.device),
                              torch.cuda.Stream(device=dst.device))
+            # Recorded after each chunk's last copy; the receiver waits on it through its IPC
+            # handle, so the control path overlaps the copy instead of following it.
+            self._event = torch.cuda.Event(interprocess=True)
         s_src, s_dst = self._streams
         s_src.wait_stream(torch.cuda.current_stream(src.device))  # pages written by prefill
         runs = _coalesce(header.descs)  # undo the message-size cap: one copy per real run
@@ -114,12 +121,22 @@ class CudaIpcEngine(TransferEngine):
             with torch.cuda.stream(s_src):
                 for sp, dp, n in runs:
                     dst[dp:dp + n].copy_(src[sp:sp + n], non_blocking=True)
-            s_src.synchronize()  # the header goes out only once every byte landed
-            return
-        # Scattered pages: gather on the source GPU, one peer copy, scatter on the destination
-        # GPU: three kernels per piece instead of one peer copy per descriptor.
-        src_pages = [d.src_page + k for d in header.descs for k in range(d.num_pages)]
-        dst_pages = [d.dst_page + k for d in header.descs for k in range(d.num_pages)]
+            s_dst.wait_stream(s_src)
+        else:
+            # Scattered pages: gather on the source GPU, one peer copy, scatter on the
+            # destination GPU: three kernels per piece instead of one copy per descriptor.
+            self._staged_copy(src, dst, runs, s_src, s_dst)
+        event = self._event
+        if event is None:
+            raise RuntimeError("cuda_ipc: completion event missing")
+        with torch.cuda.device(dst.device):
+            event.record(s_dst)
+
+    def _staged_copy(self, src: torch.Tensor, dst: torch.Tensor,
+                     runs: list[tuple[int, int, int]], s_src: torch.cuda.Stream,
+                     s_dst: torch.cuda.Stream) -> None:
+        src_pages = [sp + k for sp, _, n in runs for k in range(n)]
+        dst_pages = [dp + k for _, dp, n in runs for k in range(n)]
         piece = _STAGING_PAGES
         for lo in range(0, len(src_pages), piece):
             n = min(piece, len(src_pages) - lo)
@@ -133,8 +150,23 @@ class CudaIpcEngine(TransferEngine):
                 jdx = torch.tensor(dst_pages[lo:lo + n], device=dst.device)
                 dst.index_copy_(0, jdx, stage_dst[:n])
             s_src.wait_stream(s_dst)  # the next piece reuses both staging buffers
-        s_dst.synchronize()
-        s_src.synchronize()
+
+    def completion(self) -> dict[str, Any]:
+        if self._event is None:
+            return {}
+        return {"event": base64.b64encode(bytes(self._event.ipc_handle())).decode()}
+
+    def quiesce(self) -> None:
+        for stream in self._streams or ():
+            stream.synchronize()
+
+    def wait_completion(self, token: dict[str, Any]) -> None:
+        handle = base64.b64decode(token["event"])
+        ev = self._peer_events.get(handle)
+        if ev is None:
+            ev = torch.cuda.Event.from_ipc_handle(self.region("kv").device, handle)
+            self._peer_events[handle] = ev
+        ev.synchronize()
 
     def _staging(self, src: torch.Tensor, dst: torch.Tensor,
                  pages: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,6 +181,9 @@ class CudaIpcEngine(TransferEngine):
 
     def close(self) -> None:
         self._peers.clear()
+        self.quiesce()
         self._streams = None
         self._stage = None
+        self._event = None
+        self._peer_events.clear()
         super().close()
