@@ -68,9 +68,11 @@ def stage_breakdown(ok: list[RequestResult], before: str, after: str) -> dict:
     """Per-stage stats from the responses; /metrics histogram means when none carried them."""
     timed = [r.timings for r in ok if r.timings]
     if timed:
+        per = {s: [float(t.get(f"{s}_ms", 0.0)) for t in timed] for s in STAGES}
+        # A stage that is 0 in every response was not measured by any worker on this path.
         return {"source": "responses", "count": len(timed),
-                "stages_ms": {s: stats([float(t.get(f"{s}_ms", 0.0)) for t in timed])
-                              for s in STAGES}}
+                "stages_ms": {s: stats(v) for s, v in per.items()},
+                "not_reported": [s for s, v in per.items() if not any(v)]}
     b, a = _parse_stage_metrics(before), _parse_stage_metrics(after)
     means = {}
     for s in STAGES:
@@ -78,7 +80,8 @@ def stage_breakdown(ok: list[RequestResult], before: str, after: str) -> dict:
         total = a.get(("sum", s), 0.0) - b.get(("sum", s), 0.0)
         if n > 0:
             means[s] = {"mean": total * 1e3 / n, "count": int(n)}
-    return {"source": "metrics" if means else "missing", "stages_ms": means}
+    return {"source": "metrics" if means else "missing", "stages_ms": means,
+            "not_reported": [s for s in STAGES if s not in means]}
 
 
 def _parse_stage_metrics(text: str) -> dict[tuple[str, str], float]:

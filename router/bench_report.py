@@ -48,9 +48,14 @@ def format_table(cfg: BenchConfig, s: dict) -> str:
     stages = s["stages"]
     lines.append(f"per-stage, router timings (source: {stages['source']})")
     for name, st in stages["stages_ms"].items():
+        if name in stages["not_reported"]:
+            lines.append(f"  {name:<14}{'(not reported)':>48}")
+            continue
         cells = "".join(f"{st[k]:>12.2f}" if k in st else f"{'-':>12}"
                         for k in ("mean", "p50", "p90", "p99"))
         lines.append(f"  {name:<14}{cells}")
+    if stages["source"] == "metrics":
+        lines.append(f"  {'':<14}(means of the /metrics stage histograms over the run)")
     if s["max_queue_depth"]:
         depth = ", ".join(f"{r} {n}" for r, n in sorted(s["max_queue_depth"].items()))
         lines.append(f"{'Max queue depth (waiting + running)':<40}{depth:>23}")
