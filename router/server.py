@@ -24,6 +24,11 @@ from pdserve.router.service import start_grpc_server
 
 log = logging.getLogger(__name__)
 
+# Idle keep-alive connections stay open longer than clients keep them pooled (httpx, and so the
+# OpenAI client, expire theirs after 5 s; uvicorn's default is also 5 s): with equal timeouts a
+# client may reuse a connection the server is just closing, and the request fails.
+KEEP_ALIVE_S = 65
+
 
 class RouterServer:
     def __init__(self, config: RouterConfig, tokenizer: Any = None) -> None:
@@ -55,7 +60,8 @@ class RouterServer:
             raise OSError(f"http_port: cannot bind {cfg.host}:{cfg.http_port}: {e}") from e
         self.http_port = sock.getsockname()[1]
         uv_config = uvicorn.Config(create_app(self.core), log_level="warning", lifespan="off",
-                                   access_log=False, timeout_graceful_shutdown=2)
+                                   access_log=False, timeout_graceful_shutdown=2,
+                                   timeout_keep_alive=KEEP_ALIVE_S)
         self._http = uvicorn.Server(uv_config)
         # The embedding program owns signals (uvicorn would re-raise them after shutdown).
         self._http.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]

@@ -80,7 +80,7 @@ def _soak(procs, clients: int, seconds: float, warmup_s: float) -> dict:
               "rss_before_mib": rss_before, "rss_after_mib": rss_after,
               "kv_pages_in_use_after": {w["role"]: w["kv_pages_in_use"] for w in idle}}
     print("soak-result " + json.dumps(result), flush=True)
-    assert not stats["errors"], stats["errors"][:10]
+    assert not stats["errors"], (stats["errors"][:10], procs.logs())
     assert stats["requests"] >= clients
     for name, before in rss_before.items():
         assert rss_after[name] <= before * 1.25 + 64, (name, before, rss_after[name])
