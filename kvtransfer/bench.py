@@ -151,7 +151,7 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm) 
                                 if rm not in done and r.poll() in (KVPoll.Success,
                                                                    KVPoll.Failed):
                                     done[rm] = time.monotonic()
-                            time.sleep(0.0005)  # a scheduler-like poll; leaves the cores to the copies
+                            time.sleep(0.0005)  # poll like a scheduler loop
                         res = sender.wave_result(180.0)
                         for rm, r, dst in receivers:
                             good = (r.poll() == KVPoll.Success

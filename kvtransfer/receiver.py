@@ -52,13 +52,14 @@ class KVReceiver:
         """Register the destination pages (decode allocated ceil(prompt_len / page_size))."""
         if self.dst_pages or self.state.done:
             return
+        dst_pages = [int(p) for p in dst_pages]  # a list, a tensor or an array
         bad = [p for p in dst_pages if p <= 0 or p >= self._side.num_pool_pages]
         if bad or len(set(dst_pages)) != len(dst_pages):
             reason = f"dst_pages: outside pool [1, {self._side.num_pool_pages}) or repeated"
             self.abort(reason)
             raise ValueError(f"room {self.room}: {reason}")
         with self.lock:
-            self.dst_pages = [int(p) for p in dst_pages]
+            self.dst_pages = dst_pages
             self._arrived = bytearray(len(dst_pages))
         self._side.register(self)
 

@@ -52,6 +52,7 @@ class KVSender:
              aux: AuxData | None = None) -> None:
         """Queue pages [start_page, start_page + len(src_pages)) of the request; non-blocking.
         The last chunk carries the aux data and must end at num_dst_pages."""
+        src_pages = [int(p) for p in src_pages]  # a list, a tensor or an array
         if self.state.done:
             return  # failed meanwhile (peer abort, timeout); the scheduler sees it in poll()
         if self.state.status < KVPoll.WaitingForInput:
