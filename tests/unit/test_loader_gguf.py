@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from fixtures.hf_ref import hf_model
 from fixtures.paged import PagedRunner
 from fixtures.tiny_gguf import write_tiny_gguf
 from fixtures.tiny_model import write_tiny_model
@@ -111,7 +112,8 @@ def test_smollm2_matches_transformers_gguf_load(smollm2, smollm2_path: str) -> N
         got.append(runner.decode({0: tokens[-1]})[0])
         tokens.append(int(got[-1].argmax()))
     with torch.no_grad():
-        ref = _hf_gguf(smollm2_path)(torch.tensor([ids + tokens[:-1]])).logits[0]
+        # One transformers GGUF load per test session (it is slow), shared with other tests.
+        ref = hf_model(smollm2_path)[0](torch.tensor([ids + tokens[:-1]])).logits[0]
     for i, logits in enumerate(got):
         torch.testing.assert_close(logits, ref[len(ids) - 1 + i], atol=1e-3, rtol=0)
     assert tokens == ref[len(ids) - 1:].argmax(-1).tolist()
