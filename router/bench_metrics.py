@@ -24,6 +24,7 @@ from pdserve.router.bench_config import BenchConfig
 from pdserve.router.bench_runner import RunOutcome
 
 STAGES = ("queue", "bootstrap", "prefill", "transfer", "decode", "ttft")
+_ROOM = re.compile(r"\d{6,}")
 _STAGE_LINE = re.compile(r'^pdserve_router_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$')
 
 
@@ -114,7 +115,8 @@ def summarize(cfg: BenchConfig, outcome: RunOutcome) -> dict:
     failed = [r for r in results if not r.ok]
     errors: dict[str, int] = {}
     for r in failed:
-        errors[r.error or "unknown"] = errors.get(r.error or "unknown", 0) + 1
+        key = _ROOM.sub("N", r.error or "unknown")  # rooms / request ids would split groups
+        errors[key] = errors.get(key, 0) + 1
     dur = max(outcome.duration_s, 1e-9)
     n_in = sum(r.prompt_tokens or r.input_len for r in ok)
     n_out = sum(output_tokens(r) for r in ok)
