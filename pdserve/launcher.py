@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         for proc in procs[1:]:
             proc.ready = _await_ready(proc, "worker", deadline)
         _wait_registered(http, len(roles), deadline)
-        print(f"pdserve ready {http} prefill={args.prefill} decode={args.decode} "
-              f"mixed={args.mixed}", flush=True)
+        print(f"pdserve ready {http} grpc={grpc_addr} prefill={args.prefill} "
+              f"decode={args.decode} mixed={args.mixed}", flush=True)
         while not stop.is_set():
             # A worker that drained (SIGTERM, exit 0) just leaves; anything else is fatal.
             procs = [p for p in procs if p.name == "router" or p.popen.poll() != 0]
