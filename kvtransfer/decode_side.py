@@ -222,6 +222,13 @@ class DecodeSide:
                 self._finish_fail(pending[0], pending[1])
             elif r is not None:
                 self._finish_fail(r, f"prefill aborted: {body.get('reason')}")
+        elif kind == C.PONG:
+            now = time.monotonic()
+            with self._lock:
+                for room in body.get("rooms", ()):
+                    r = self._receivers.get(int(room))
+                    if r is not None:
+                        r.queued_at_peer = now
         elif kind == C.NOTIFY:
             header = ChunkHeader.from_bytes(str(body["header"]).encode())
             if body.get("done"):
@@ -260,7 +267,8 @@ class DecodeSide:
             st, since = r.state.status, r.state.since
             if st == KVPoll.Bootstrapping and now - since > cfg.bootstrap_timeout_s:
                 r.abort(f"bootstrap timeout ({cfg.bootstrap_timeout_s}s)")
-            elif st == KVPoll.WaitingForInput and now - since > cfg.waiting_timeout_s:
+            elif st == KVPoll.WaitingForInput and \
+                    now - max(since, r.queued_at_peer) > cfg.waiting_timeout_s:
                 r.abort(f"waiting timeout ({cfg.waiting_timeout_s}s): no pages arrived")
             elif st == KVPoll.Transferring and now - r.state.progress > cfg.transfer_timeout_s:
                 r.abort(f"transfer timeout ({cfg.transfer_timeout_s}s)")

@@ -157,7 +157,12 @@ class PrefillSide:
             # A decode that knew a previous incarnation of this worker: make it re-handshake.
             self._send(ident, C.REFUSE, {"reason": "unknown peer (prefill restarted?)"})
         elif kind == C.PING:
-            self._send(ident, C.PONG, {})
+            # Name the rooms still queued here for this peer: decode's waiting timeout only
+            # runs for rooms prefill has forgotten, so a long prefill queue does not fail them.
+            with self._lock:
+                rooms = [r for r, s in self._senders.items()
+                         if s.peer == ident and not s.state.done]
+            self._send(ident, C.PONG, {"rooms": rooms})
         elif kind == C.REGISTER:
             room, pages, slot = int(body["room"]), [int(p) for p in body["dst_pages"]], int(
                 body["aux_slot"])
@@ -244,8 +249,9 @@ class PrefillSide:
             if st == KVPoll.Bootstrapping and now - since > cfg.bootstrap_timeout_s:
                 s.abort(f"bootstrap timeout ({cfg.bootstrap_timeout_s}s): decode never "
                         f"registered")
-            elif st == KVPoll.WaitingForInput and now - since > cfg.waiting_timeout_s:
-                s.abort(f"waiting timeout ({cfg.waiting_timeout_s}s): no pages sent")
+            # No waiting timeout here: a room waiting for its pages is queued in this worker's
+            # own scheduler, which ends it (done, aborted by the router or decode, or its peer
+            # died). Decode's waiting timeout covers rooms this side stops listing as queued.
             elif (st == KVPoll.Transferring
                   and now - s.state.progress > cfg.transfer_timeout_s):
                 s.abort(f"transfer timeout ({cfg.transfer_timeout_s}s)")

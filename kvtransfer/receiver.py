@@ -34,6 +34,8 @@ class KVReceiver:
         self._arrived = bytearray()
         self._num_arrived = 0
         self._have_aux = False
+        # Last heartbeat in which prefill listed this room as still queued (monotonic s).
+        self.queued_at_peer = 0.0
 
     # -- scheduler-facing -----------------------------------------------------------------
     def poll(self) -> KVPoll:

@@ -128,11 +128,29 @@ def test_timeouts_fail_rooms(prefill: PeerProcess) -> None:
         s = pmgr.create_sender(1)  # decode never registers
         assert _wait(s, KVPoll.Success, 3) == KVPoll.Failed
         assert "bootstrap timeout" in (s.failure_reason or "")
-        r = dmgr.create_receiver(2, prefill.bootstrap_addr)  # registered, nothing sent
-        prefill.call("create_sender", 2)
+        r = dmgr.create_receiver(2, prefill.bootstrap_addr)  # registered; prefill has no room
         r.init([1])
         assert _wait(r, KVPoll.Success, 3) == KVPoll.Failed
         assert "waiting timeout" in (r.failure_reason or "")
     finally:
         pmgr.close()
+        dmgr.close()
+
+
+def test_room_queued_at_prefill_outlives_the_waiting_timeout(prefill: PeerProcess) -> None:
+    """A long prefill queue must not fail rooms: heartbeats list the rooms prefill still holds,
+    and decode's waiting timeout only runs for rooms prefill no longer lists."""
+    cfg = TransferConfig(backend="tcp", waiting_timeout_s=0.3, heartbeat_interval_s=0.05,
+                         heartbeat_misses=20)
+    pool, _ = make_pool(SPEC)
+    dmgr = KVManager("decode", pool, cfg, SPEC.fingerprint())
+    try:
+        r = dmgr.create_receiver(3, prefill.bootstrap_addr)
+        prefill.call("create_sender", 3)
+        r.init([1])
+        assert _wait(r, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+        time.sleep(1.2)  # four waiting timeouts
+        assert r.poll() == KVPoll.WaitingForInput, r.failure_reason
+        r.abort("test done")
+    finally:
         dmgr.close()
