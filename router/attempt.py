@@ -31,6 +31,7 @@ PREFILL_GRACE_S = 1.0
 # and not unhealthy: a hung or stopped worker (no RST, so gRPC sees nothing) fails the attempt
 # within a health-check round instead of waiting for the request deadline.
 LIVENESS_CHECK_S = 1.0
+STALL_MIN_S = 3.0  # ... once both legs were silent at least this long (and a health round)
 
 
 class LegFailure(Exception):
@@ -76,6 +77,7 @@ class Attempt:
         decode_call = None
         next_msg: asyncio.Task | None = None
         abort_wait = asyncio.ensure_future(self.abort_event.wait())
+        last_heard = time.monotonic()
         try:
             if self.prefill is not None:
                 prefill_task = asyncio.ensure_future(
@@ -89,8 +91,9 @@ class Attempt:
                 done, _ = await asyncio.wait(pending, timeout=LIVENESS_CHECK_S,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:
-                    self._check_legs_alive(prefill_task)
+                    self._check_legs_alive(prefill_task, time.monotonic() - last_heard)
                     continue
+                last_heard = time.monotonic()
                 if prefill_task is not None and prefill_task in done:
                     pending.discard(prefill_task)
                     self._take_prefill(prefill_task)
@@ -134,7 +137,10 @@ class Attempt:
             if targets:
                 self.flow.send_aborts(self.room, self.req.request_id, targets, "router abort")
 
-    def _check_legs_alive(self, prefill_task: asyncio.Task | None) -> None:
+    def _check_legs_alive(self, prefill_task: asyncio.Task | None, silent_s: float) -> None:
+        cfg = self.flow.config
+        if silent_s < max(STALL_MIN_S, cfg.health_check_interval_s + cfg.health_check_timeout_s):
+            return
         registry = self.flow.registry
         legs = [("decode", self.decode)]
         if self.prefill is not None and prefill_task is not None and not prefill_task.done():
@@ -147,6 +153,11 @@ class Attempt:
                                  f"the worker {why} while serving the request")
 
     def _take_prefill(self, task: asyncio.Task, final: bool = False) -> None:
+        if task.cancelled():  # its channel was closed (worker removed): not our cancellation
+            if final:
+                return
+            raise LegFailure(self.prefill, "prefill", grpc.StatusCode.UNAVAILABLE,
+                             "the call was cancelled (worker connection closed)")
         exc = task.exception()
         if isinstance(exc, grpc.aio.AioRpcError):
             if final:
@@ -159,6 +170,9 @@ class Attempt:
         self._prefill_timings = timings_to_dict(resp.timings)
 
     def _decode_result(self, task: asyncio.Task) -> pb.DecodeResponse:
+        if task.cancelled():  # its channel was closed (worker removed): not our cancellation
+            raise LegFailure(self.decode, "decode", grpc.StatusCode.UNAVAILABLE,
+                             "the call was cancelled (worker connection closed)")
         try:
             msg = task.result()
         except grpc.aio.AioRpcError as e:

@@ -102,7 +102,8 @@ class RouterConfig:
             raise ValueError("registration_secret: must be non-empty when set")
         if not isinstance(self.disagg_threshold, int) or self.disagg_threshold < 0:
             raise ValueError(
-                f"disagg_threshold: must be >= 0 tokens (0 = always), got {self.disagg_threshold!r}")
+                "disagg_threshold: must be >= 0 tokens (0 = always), "
+                f"got {self.disagg_threshold!r}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file: give tls_cert_file and tls_key_file together")
 

@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from pdserve.router.errors import RouterError
+from pdserve.router.errors import RouterError, UpstreamFailed
 from pdserve.router.events import FlowEvent
 
 _END = object()
@@ -28,16 +28,24 @@ class FanOut:
         self._ended: set[int] = set()
 
     async def _pump(self, index: int, stream: AsyncIterator[FlowEvent]) -> None:
+        ended = False
         try:
             async with contextlib.aclosing(stream) as events:
                 async for event in events:
-                    await self._queue.put((index, event))
-            await self._queue.put((index, _END))
+                    self._queue.put_nowait((index, event))
+            ended = True
+            self._queue.put_nowait((index, _END))
         except RouterError as e:
-            await self._queue.put((index, e))
+            ended = True
+            self._queue.put_nowait((index, e))
         except Exception as e:  # a bug must end the stream, not hang it
+            ended = True
             log.exception("request flow failed")
-            await self._queue.put((index, RouterError(f"internal error: {type(e).__name__}")))
+            self._queue.put_nowait((index, RouterError(f"internal error: {type(e).__name__}")))
+        finally:
+            if not ended:  # cancelled (by close(), or from below): the reader must not hang
+                self._queue.put_nowait((index, UpstreamFailed(
+                    "the request was cancelled inside the router", code="cancelled")))
 
     async def _next(self) -> tuple[int, object]:
         item = await self._queue.get()

@@ -97,7 +97,8 @@ def create_app(core: RouterCore) -> FastAPI:
             raise
 
     def _fan_out(req: Any, prompts: list[list[int]], sampling: dict, max_tokens: int | None,
-                 rid: str, prompt_param: str) -> tuple[list[PreparedRequest], list[fmt.ChoiceState]]:
+                 rid: str, prompt_param: str
+                 ) -> tuple[list[PreparedRequest], list[fmt.ChoiceState]]:
         prepared, choices = [], []
         for ids in prompts:
             for k in range(req.n):

@@ -1,7 +1,8 @@
 """Worker registry: static workers from flags, self-registered workers with leases, health.
 
 Invariant: only workers whose `state == "healthy"` are offered to the routing policies. A worker
-leaves rotation when its health check or Worker.Status fails, when a request RPC to it fails
+leaves rotation when its health check or Worker.Status fails (a refused connection at once,
+timeouts twice in a row), when a request RPC to it fails
 with UNAVAILABLE (until the next health check passes), when its lease runs out (registered
 workers are then forgotten), or while it drains.
 """
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed")
 FAILURES_TO_EJECT = 3
+HEALTH_TIMEOUTS_TO_EJECT = 2
 
 
 @dataclass(eq=False)
@@ -50,6 +52,7 @@ class WorkerEntry:
     draining: bool = False
     inflight: int = 0
     consecutive_failures: int = 0
+    health_timeouts: int = 0  # health checks in a row that timed out
     channel: grpc.aio.Channel | None = None
     stub: pb_grpc.WorkerStub | None = None
     ca_file: str | None = None  # TLS to the worker, verified against this CA
@@ -173,7 +176,10 @@ class Registry:
         if entry.channel is not None:
             channel = entry.channel
             entry.channel = entry.stub = None
-            asyncio.get_running_loop().create_task(channel.close(grace=1.0))
+            # Calls still running on it finish (or fail) by themselves: a worker forgotten for a
+            # late heartbeat under load keeps streaming its requests.
+            grace = self.config.request_timeout_s if entry.inflight else 1.0
+            asyncio.get_running_loop().create_task(channel.close(grace=grace))
 
     def report_failure(self, entry: WorkerEntry) -> None:
         """A request RPC failed on the worker; after FAILURES_TO_EJECT in a row it leaves
@@ -234,12 +240,18 @@ class Registry:
             status = await stub.Status(pb.StatusRequest(), timeout=timeout,
                                        metadata=entry.metadata)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+            timed_out = not isinstance(e, grpc.aio.AioRpcError) or \
+                e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            entry.health_timeouts = entry.health_timeouts + 1 if timed_out else 0
+            if timed_out and entry.health_timeouts < HEALTH_TIMEOUTS_TO_EJECT:
+                return  # one slow answer is load, not death: a refused connection ejects now
             if entry.state != "unhealthy":
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else repr(e)
                 log.warning("worker %s (%s) failed its health check: %s", entry.worker_id,
                             entry.address, detail)
             entry.state = "unhealthy"
             return
+        entry.health_timeouts = 0
         if entry.worker_id not in self._workers:
             return  # removed while we waited
         entry.update_info(status.info)

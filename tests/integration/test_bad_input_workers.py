@@ -8,9 +8,10 @@ import asyncio
 import time
 
 import grpc
+from test_faults_procs import post, procs  # noqa: F401 (fixture)
+
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
-from test_faults_procs import post, procs  # noqa: F401 (fixture)
 
 SP = pb.SamplingParams(max_tokens=4, temperature=0)
 
@@ -76,6 +77,14 @@ def test_worker_grpc_rejects_bad_requests(procs):
                 bootstrap_addr="127.0.0.1:9"), timeout=60))
             assert code == grpc.StatusCode.ABORTED and details, (code, details)
             assert time.monotonic() - t0 < 20
+            # A forged room at the real prefill worker: no Prefill ever comes for it, so decode
+            # gives up at its deadline; the prefill worker holds nothing for it.
+            t0 = time.monotonic()
+            code, details = await _code(lambda: d.Decode(pb.DecodeRequest(
+                request_id="forged-room", input_ids=list(range(3, 30)), room=4242, sampling=SP,
+                bootstrap_addr=prefill.fields["bootstrap"]), timeout=60))
+            assert code == grpc.StatusCode.ABORTED and details, (code, details)
+            assert time.monotonic() - t0 < 30
             found = await d.Abort(pb.AbortRequest(room=424242))  # unknown room: a no-op
             assert not found.found
 

@@ -130,6 +130,19 @@ def test_hung_decode_fails_streams_in_seconds_and_recovers(procs):
     procs.wait_idle(60)
     status, body = post(url, SHORT)
     assert status == 200, body
+    # Stopped before its transfers: the prefill side fails the rooms (bootstrap deadline or
+    # missed KV heartbeats), and the request gets a clear error in seconds.
+    decode.signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    status, body = post(url, SHORT)
+    elapsed = time.monotonic() - t0
+    decode.signal(signal.SIGCONT)
+    assert status in (502, 503, 504) and body["error"]["message"], body
+    assert elapsed < 30, elapsed
+    procs.wait_healthy(2, 60)
+    procs.wait_idle(60)
+    status, body = post(url, SHORT)
+    assert status == 200, body
 
 
 def test_client_disconnect_mid_stream_frees_everything(procs):

@@ -64,7 +64,9 @@ async def _load(url: str, clients: int, seconds: float) -> dict:
 
 
 def _soak(procs, clients: int, seconds: float, warmup_s: float) -> dict:
-    router = procs.start_router()
+    # The router's default health/lease timing (the fault tests shorten it).
+    router = procs.start_router("--health-check-interval=2", "--heartbeat-interval=2",
+                                "--lease=10")
     workers = procs.start_workers("prefill", "decode", args=("--max-running=256",))
     procs.wait_healthy(2)
     every = [router, *workers]

@@ -9,9 +9,10 @@ import subprocess
 
 import grpc
 import pytest
+from test_faults_procs import post, procs  # noqa: F401 (fixture)
+
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
-from test_faults_procs import post, procs  # noqa: F401 (fixture)
 
 SECRET = "cluster-s3cret"
 KEY = "client-key"
