@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
 """pdserve's offline engine vs HF transformers' batched `generate`, same prompts, same run.
 
-Greedy, fixed output length (ignore_eos) so both produce the same number of tokens. Prints
-tokens/s of each (generation only; loading excluded) and the ratio, plus how many outputs match
-token for token.
+Greedy, ignore_eos, each request with its own output length drawn from `--output-len LO:HI`
+(as in real traffic). HF's batched generate has one max_new_tokens per batch, so it runs every
+row to the batch's longest request and each row is cut to its own length afterwards; pdserve
+retires a request when it is done and admits the next (continuous batching). Both count the
+same useful tokens (the sum of the requested lengths). Prints tokens/s of each (generation
+only; loading excluded), the ratio, and how many outputs match token for token.
 
-    python scripts/bench_generate.py [--num-prompts 32] [--max-tokens 64] [--model PATH]
+    python scripts/bench_generate.py [--num-prompts 32] [--output-len 8:128] [--model PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -26,7 +30,8 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(8, 120))) for _ in range(n)]
 
 
-def run_hf(path: str, prompts: list[str], max_tokens: int, batch_size: int) -> tuple[float, list]:
+@functools.lru_cache(maxsize=1)
+def load_hf(path: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d, f = (os.path.dirname(path), os.path.basename(path)) if path.endswith(".gguf") else \
@@ -37,14 +42,22 @@ def run_hf(path: str, prompts: list[str], max_tokens: int, batch_size: int) -> t
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32, **kw).eval()
+    return model, tok
+
+
+def run_hf(path: str, prompts: list[str], lens: list[int], batch_size: int
+           ) -> tuple[float, list]:
+    model, tok = load_hf(path)
     outs = []
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         enc = tok(prompts[i:i + batch_size], return_tensors="pt", padding=True)
+        n = max(lens[i:i + batch_size])
         with torch.inference_mode():
-            gen = model.generate(**enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            gen = model.generate(**enc, max_new_tokens=n, min_new_tokens=n,
                                  do_sample=False, pad_token_id=tok.pad_token_id)
-        outs += gen[:, enc.input_ids.shape[1]:].tolist()
+        rows = gen[:, enc.input_ids.shape[1]:].tolist()
+        outs += [row[:k] for row, k in zip(rows, lens[i:i + batch_size])]
     return time.perf_counter() - t0, outs
 
 
@@ -52,8 +65,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--output-len", default="8:128", help="N or LO:HI (uniform, seeded)")
     ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="alternate pdserve and HF this many times; the best time of each counts")
     args = ap.parse_args()
     from pdserve.engine.default_model import default_model_path
     from pdserve.engine.llm import LLM
@@ -61,15 +76,21 @@ def main() -> None:
 
     path = args.model or default_model_path()
     prompts = make_prompts(args.num_prompts)
+    lo, _, hi = args.output_len.partition(":")
+    rng = random.Random(1)
+    lens = [rng.randint(int(lo), int(hi or lo)) for _ in prompts]
     llm = LLM(model=path, max_running=args.num_prompts)
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    sp = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
-    ours = llm.generate(prompts, sp)
-    ours_s = llm.last_generate_s
-    hf_s, hf_out = run_hf(path, prompts, args.max_tokens, args.hf_batch_size)
-    n_tok = args.num_prompts * args.max_tokens
+    ours_s = hf_s = float("inf")
+    for _ in range(args.repeats):  # alternating, so load from elsewhere hits both alike
+        ours = llm.generate(prompts, sp)
+        ours_s = min(ours_s, llm.last_generate_s)
+        t, hf_out = run_hf(path, prompts, lens, args.hf_batch_size)
+        hf_s = min(hf_s, t)
+    n_tok = sum(lens)
     same = sum(o.token_ids == h for o, h in zip(ours, hf_out))
-    row = {"prompts": args.num_prompts, "max_tokens": args.max_tokens,
+    row = {"prompts": args.num_prompts, "output_len": args.output_len, "tokens": n_tok,
            "threads": torch.get_num_threads(), "pdserve_tok_s": round(n_tok / ours_s, 1),
            "hf_tok_s": round(n_tok / hf_s, 1), "ratio": round(hf_s / ours_s, 2),
            "identical_outputs": f"{same}/{len(prompts)}"}
