@@ -9,8 +9,9 @@ positions [prefix_len, kv_len) belong to the request until it releases them thro
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
 

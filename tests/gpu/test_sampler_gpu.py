@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdserve.engine.sampler import Sampler, SamplingBatch
 from pdserve.engine.sampling_params import SamplingParams
 
