@@ -126,7 +126,8 @@ class PagedAllocator:
         held_pages = (pre + ps - 1) // ps  # pages the request already (partially) holds
         new_pages = (seq + ps - 1) // ps - held_pages
         partial = pre % ps != 0
-        bad = partial & ((last % ps != (pre - 1) % ps) | (last < ps) | (last >= self.num_pages * ps))
+        bad = partial & (
+            (last % ps != (pre - 1) % ps) | (last < ps) | (last >= self.num_pages * ps))
         if bool(bad.any()):
             i = int(torch.nonzero(bad)[0])
             raise ValueError(
@@ -151,7 +152,8 @@ class PagedAllocator:
         fresh = pages[(page_base + k).clamp(0, num_new_pages - 1)] * ps + pos % ps
         return torch.where(k < 0, in_old, fresh)
 
-    def alloc_decode(self, seq_lens: Sequence[int], last_locs: Sequence[int]) -> torch.Tensor | None:
+    def alloc_decode(self, seq_lens: Sequence[int], last_locs: Sequence[int]
+                     ) -> torch.Tensor | None:
         """One slot per request for its newest token; `seq_lens` count that token.
 
         A request whose new token starts a page gets a fresh page; the others continue after

@@ -44,8 +44,8 @@ class ForwardBatch:
     extend_lens: torch.Tensor
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
-    kv_pool: "KVPool"
-    attn_backend: "AttentionBackend"
+    kv_pool: KVPool
+    attn_backend: AttentionBackend
     # Host copies of the per-sequence lengths: backends plan with them without a device sync.
     seq_lens_cpu: list[int] | None = None
     extend_lens_cpu: list[int] | None = None

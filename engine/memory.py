@@ -75,7 +75,8 @@ class KVMemory:
         return int(self.req_to_token.read(req.req_pool_idx, req.kv_len - 1, req.kv_len)[0])
 
     def alloc_extend(self, req: Req, num_tokens: int) -> bool:
-        """Slots for fill_ids[kv_len : kv_len + num_tokens], written to the row. kv_len unchanged."""
+        """Slots for fill_ids[kv_len : kv_len + num_tokens], written to the row (kv_len is
+        unchanged)."""
         if req.kv_len + num_tokens > self.max_context_len:
             raise ValueError(
                 f"prompt: {req.kv_len + num_tokens} tokens exceed the context of "

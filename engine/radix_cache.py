@@ -25,6 +25,7 @@ import heapq
 from collections.abc import Hashable, Iterator, Sequence
 
 import torch
+
 from pdserve.engine.allocator import PagedAllocator
 from pdserve.engine.radix_node import (
     MatchResult,

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from pdserve.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 import torch
+
 from pdserve.engine.config import ModelConfig, parse_dtype
 from pdserve.engine.loader.common import ModelLoadError
 from pdserve.engine.models import LlamaForCausalLM

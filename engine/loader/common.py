@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-from pdserve.engine.models import LlamaForCausalLM
 from tqdm.auto import tqdm
+
+from pdserve.engine.models import LlamaForCausalLM
 
 # (file the tensor lives in, checkpoint tensor name in HF naming, loads the tensor on demand)
 TensorSource = tuple[str, str, Callable[[], torch.Tensor]]

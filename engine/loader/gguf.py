@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.loader.common import ModelLoadError, TensorSource, fill_weights
 from pdserve.engine.loader.gguf_file import GGUFFile, GGUFTensor

@@ -8,11 +8,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from safetensors import safe_open
+
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.loader.common import ModelLoadError, TensorSource, fill_weights
 from pdserve.engine.models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
 from pdserve.engine.models.rope import SUPPORTED_ROPE_TYPES, rope_type_of
-from safetensors import safe_open
 
 # Checkpoints without an `architectures` list still carry a model_type.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",

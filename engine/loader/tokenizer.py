@@ -27,8 +27,9 @@ def load_hf_tokenizer(model_dir: str) -> Any:
 
 
 def load_gguf_tokenizer(path: str, cache_root: str | None = None) -> Any:
-    from pdserve.engine.default_model import cache_dir
     from transformers import AutoTokenizer
+
+    from pdserve.engine.default_model import cache_dir
 
     cached = os.path.join(cache_root or cache_dir(), "tokenizers", _cache_key(path))
     if os.path.isdir(cached):

@@ -12,11 +12,12 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.models.layers import RMSNorm, SwiGLUMLP, empty_param
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rope
-from torch import nn
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

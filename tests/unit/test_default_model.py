@@ -8,6 +8,7 @@ import time
 import zipfile
 
 import pytest
+
 from pdserve.engine import default_model
 from pdserve.engine.default_model import GGUF_NAME, cache_dir, default_model_path
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pdserve.engine.detokenizer import IncrementalDetokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",

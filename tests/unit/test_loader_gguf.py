@@ -11,8 +11,9 @@ from fixtures.hf_ref import hf_model
 from fixtures.paged import PagedRunner
 from fixtures.tiny_gguf import write_tiny_gguf
 from fixtures.tiny_model import write_tiny_model
-from pdserve.engine.loader import ModelLoadError, load_model, load_tokenizer, read_model_config
 from transformers import AutoModelForCausalLM
+
+from pdserve.engine.loader import ModelLoadError, load_model, load_tokenizer, read_model_config
 
 PROMPT = list(range(3, 20))
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 from fixtures.paged import PagedRunner
 from fixtures.tiny_model import write_tiny_model
-from pdserve.engine.loader import ModelLoadError, load_model, load_tokenizer, read_model_config
 from safetensors.torch import load_file, save_file
+
+from pdserve.engine.loader import ModelLoadError, load_model, load_tokenizer, read_model_config
 
 
 def _edit_config(path: str, **changes: object) -> None:

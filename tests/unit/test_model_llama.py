@@ -8,11 +8,13 @@ import pytest
 import torch
 from fixtures.paged import PagedRunner
 from fixtures.tiny_model import TINY_ARCHS, write_tiny_model
-from pdserve.engine.loader import load_model
 from transformers import AutoModelForCausalLM
 
+from pdserve.engine.loader import load_model
+
 ATOL = 1e-4  # fp32; observed max differences are ~1e-5
-PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8, 120, 64, 33], [301, 12, 45, 6], [77, 300, 2, 19, 9, 10, 11]]
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8, 120, 64, 33], [301, 12, 45, 6],
+           [77, 300, 2, 19, 9, 10, 11]]
 
 
 @pytest.fixture(scope="module", params=[*TINY_ARCHS, "llama-tied", "qwen2-untied"])

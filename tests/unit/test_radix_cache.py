@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdserve.engine.allocator import PagedAllocator
 from pdserve.engine.radix_cache import RadixCache
 

@@ -13,6 +13,7 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from pdserve.engine.allocator import PagedAllocator
 from pdserve.engine.radix_cache import RadixCache
 from pdserve.engine.radix_node import TreeNode

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+
 from pdserve.engine.req_to_token import ReqToTokenPool
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pdserve.engine.sampler import Sampler, SamplingBatch, apply_penalties
 from pdserve.engine.sampling_params import SamplingParams
 

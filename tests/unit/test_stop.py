@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop import StopChecker, TextStream
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 PIECES = ["a", "b", "c", "ab", "bc", "abc", " ", "\n", "\n\n", "END", "E", "N", "D", "xy"]
 EOS = len(PIECES)  # decodes to "" when special tokens are skipped

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 from pdserve.engine.kv_pool import KVPool
