@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.router.config import RouterConfig
