@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.config import RouterConfig

@@ -12,9 +12,10 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_router_fakes import FakeWorker, cluster, tokenizer, wait_for  # noqa: F401
+
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
-from test_router_fakes import FakeWorker, cluster, tokenizer, wait_for  # noqa: F401
 
 
 @pytest.fixture

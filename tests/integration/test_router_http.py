@@ -7,8 +7,9 @@ import json
 
 import httpx
 import openai
-from pdserve.router.server import RouterServer
 from test_router_fakes import cluster, tokenizer, wait_for  # noqa: F401 (fixtures)
+
+from pdserve.router.server import RouterServer
 
 
 def _client(router: RouterServer, **kw) -> openai.AsyncOpenAI:
@@ -170,7 +171,8 @@ async def test_models_workers_metrics_health(cluster):
             assert w["state"] == "healthy" and w["kv_pages_total"] == 100
         text = (await http.get(f"{base}/metrics")).text
     for name in ("pdserve_router_requests_total", "pdserve_router_ttft_seconds_bucket",
-                 "pdserve_router_itl_seconds_bucket", 'pdserve_router_stage_seconds_count{stage="prefill"}',
+                 "pdserve_router_itl_seconds_bucket",
+                 'pdserve_router_stage_seconds_count{stage="prefill"}',
                  "pdserve_worker_kv_pages_free", "pdserve_router_worker_healthy"):
         assert name in text, name
     assert 'endpoint="completions",status="200"' in text
