@@ -32,6 +32,9 @@ class DecodeCtx:
     t_prealloc: float = 0.0
     t_transferred: float = 0.0
     _skipped: bool = False
+    # The finishing step's tokens travel with the finish message, so a client that stops
+    # reading at its last token still gets usage and stage timings in the same message.
+    _last_chunk: pb.TokenChunk | None = None
 
     def emit(self, event: StreamEvent) -> None:
         self.channel.put(event)
@@ -42,7 +45,11 @@ class DecodeCtx:
             num_new -= 1
             if num_new == 0:
                 return
-        self.channel.put(StreamEvent("tokens", info={"chunk": tokens_chunk(req, num_new)}))
+        chunk = tokens_chunk(req, num_new)
+        if req.finished:
+            self._last_chunk = chunk
+            return
+        self.channel.put(StreamEvent("tokens", info={"chunk": chunk}))
 
     def emit_finish(self, req: Req) -> None:
         now = time.perf_counter()
@@ -57,7 +64,8 @@ class DecodeCtx:
         usage = pb.Usage(prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
                          cached_tokens=req.cached_tokens)
         self.channel.put(StreamEvent("finish", finish_reason=req.finish_reason or "abort",
-                                     info={"usage": usage, "timings": timings}))
+                                     info={"usage": usage, "timings": timings,
+                                           "chunk": self._last_chunk}))
 
 
 class DecodeService(WorkerServiceBase):
@@ -105,6 +113,7 @@ class DecodeService(WorkerServiceBase):
                 elif ev.kind == "finish":
                     finished = True
                     yield pb.DecodeResponse(request_id=request.request_id,
+                                            chunk=ev.info["chunk"],
                                             finish_reason=ev.finish_reason,
                                             usage=ev.info["usage"], timings=ev.info["timings"])
                     return

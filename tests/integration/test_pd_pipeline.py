@@ -118,3 +118,17 @@ def test_repeated_long_prefix_hits_prefill_radix_cache(pd_cluster):
     assert all(w["kv_pages_in_use"] == 0 for w in workers), workers
     prefill = [w for w in workers if w["role"] == "prefill"]
     assert prefill and prefill[0]["kv_pages_cached"] > 0
+
+
+def test_stage_timings_cover_prefill_transfer_and_decode(pd_cluster):
+    import json
+    import urllib.request
+
+    body = json.dumps({"model": _model(pd_cluster), "prompt": PROMPTS[2], "max_tokens": 6,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"{pd_cluster.url}/v1/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        timings = json.load(resp)["pdserve"]["choices"][0]["timings"]
+    for stage in ("prefill_ms", "transfer_ms", "decode_ms", "ttft_ms"):
+        assert timings[stage] > 0, timings
