@@ -137,11 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve ready {http} grpc={grpc_addr} prefill={args.prefill} "
               f"decode={args.decode} mixed={args.mixed}", flush=True)
         while not stop.is_set():
-            # A worker that drained (SIGTERM, exit 0) just leaves; anything else is fatal.
-            procs = [p for p in procs if p.name == "router" or p.popen.poll() != 0]
-            dead = [p for p in procs if p.popen.poll() is not None]
-            if dead:
-                print(f"pdserve up: {dead[0].name} exited with {dead[0].popen.returncode}",
+            # A worker that exits (drained, or died) leaves rotation and the others keep
+            # serving; only the router's exit ends the cluster.
+            for p in [p for p in procs if p.name != "router" and p.popen.poll() is not None]:
+                if p.popen.returncode != 0:
+                    print(f"pdserve up: {p.name} exited with {p.popen.returncode}; serving "
+                          f"with the remaining workers", file=sys.stderr, flush=True)
+                procs.remove(p)
+            if router.popen.poll() is not None:
+                print(f"pdserve up: the router exited with {router.popen.returncode}",
                       file=sys.stderr)
                 return 1
             stop.wait(0.5)
