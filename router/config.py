@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 PREFILL_POLICIES = ("round_robin", "least_load", "cache_aware")
 DECODE_POLICIES = ("round_robin", "least_load")
@@ -52,6 +53,7 @@ class RouterConfig:
     tls_ca_file: str | None = None  # when set, worker channels use TLS trusting this CA
     tls_cert_file: str | None = None  # when set (with tls_key_file), the gRPC server uses TLS
     tls_key_file: str | None = None
+    k8s_discovery: Any = None  # a K8sDiscoveryConfig: workers from a pod label selector
 
     def __post_init__(self) -> None:
         for name in ("prefill_addrs", "decode_addrs", "mixed_addrs"):

@@ -41,7 +41,14 @@ class RouterCore:
 
     async def start(self) -> None:
         await self.registry.start()
+        if self.config.k8s_discovery is not None:
+            from pdserve.router.k8s_discovery import K8sDiscovery
+
+            self.discovery = K8sDiscovery(self.registry, self.config.k8s_discovery)
+            await self.discovery.start()
 
     async def stop(self) -> None:
+        if getattr(self, "discovery", None) is not None:
+            await self.discovery.stop()
         await self.flow.drain_background()
         await self.registry.stop()

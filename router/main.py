@@ -49,6 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", default=None, help="gRPC server certificate (PEM): enables TLS")
     p.add_argument("--tls-key", default=None, help="gRPC server private key (PEM)")
     p.add_argument("--tls-ca", default=None, help="CA (PEM) to verify TLS workers with")
+    p.add_argument("--discovery", choices=("register", "k8s"), default="register",
+                   help="register: workers self-register (and --prefill/--decode/--mixed); "
+                        "k8s: also follow the Ready pods of --k8s-selector")
+    p.add_argument("--k8s-selector", default="", help="pod label selector of the workers")
+    p.add_argument("--k8s-namespace", default=None, help="default: the router pod's namespace")
+    p.add_argument("--k8s-api", default=None, help="API server URL (default: in-cluster)")
+    p.add_argument("--k8s-role-label", default="app.kubernetes.io/component")
+    p.add_argument("--k8s-grpc-port", type=int, default=50051,
+                   help="worker gRPC port when the pod names no container port 'grpc'")
+    p.add_argument("--k8s-interval", type=float, default=2.0, metavar="S")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -66,7 +76,18 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
         retries=args.retries, disagg_threshold=args.disagg_threshold,
         local_prefill_fallback=args.local_prefill_fallback, tls_cert_file=args.tls_cert,
-        tls_key_file=args.tls_key, tls_ca_file=args.tls_ca)
+        tls_key_file=args.tls_key, tls_ca_file=args.tls_ca,
+        k8s_discovery=_k8s_config(args))
+
+
+def _k8s_config(args: argparse.Namespace):
+    if args.discovery != "k8s":
+        return None
+    from pdserve.router.k8s_discovery import K8sDiscoveryConfig
+
+    return K8sDiscoveryConfig(selector=args.k8s_selector, namespace=args.k8s_namespace,
+                              api_url=args.k8s_api, role_label=args.k8s_role_label,
+                              grpc_port=args.k8s_grpc_port, interval_s=args.k8s_interval)
 
 
 async def serve(config: RouterConfig) -> None:
@@ -95,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(config))
     except KeyboardInterrupt:
         pass
+    except ValueError as e:  # e.g. --discovery k8s outside a pod without --k8s-api
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 1

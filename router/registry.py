@@ -164,6 +164,21 @@ class Registry:
             entry.state = "healthy"
         return True
 
+    def add_discovered(self, worker_id: str, role: str, address: str) -> WorkerEntry:
+        """A worker found by discovery (Kubernetes): health-checked like a static one."""
+        if role not in ROLES:
+            raise ValueError(f"worker.role: must be one of {ROLES}, got {role!r}")
+        entry = self._secured(WorkerEntry(worker_id=worker_id, address=address, role=role,
+                                          static=True))
+        self._workers[worker_id] = entry
+        asyncio.get_running_loop().create_task(self._check(entry))  # in rotation once healthy
+        return entry
+
+    def remove_discovered(self, worker_id: str) -> None:
+        entry = self._workers.get(worker_id)
+        if entry is not None:
+            self._remove(entry)
+
     def deregister(self, worker_id: str) -> bool:
         entry = self._workers.get(worker_id)
         if entry is None:
