@@ -23,7 +23,7 @@ serve: install
 	$(BIN)/pdserve up
 
 test: install
-	$(BIN)/python -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not gpu" --durations=15 $(PYTEST_ARGS)
 
 # Minutes of hundreds of concurrent streaming clients on loopback (tiny model, CPU); prints a
 # `soak-result {...}` line. Knobs: PDSERVE_SOAK_SECONDS (180), PDSERVE_SOAK_CLIENTS (256).
