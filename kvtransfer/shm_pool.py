@@ -3,10 +3,19 @@
 The decode worker allocates its pool here; a prefill worker on the same host maps the segment by
 name and writes the registered pages directly. Ownership: the creator unlinks the segment on
 close(); a peer that only attached closes its mapping and never unlinks.
+
+A creator killed outright (SIGKILL, OOM) cannot unlink, and shared memory is RAM. So each
+segment has a companion `<name>.lock` that its creator holds an flock on for its lifetime; the
+kernel drops the lock when the creator dies, however it dies. Every new pool first sweeps the
+segments whose lock nobody holds (`sweep_stale_segments`). flock works across PID namespaces
+sharing /dev/shm, where a PID check would not.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import math
 import mmap
 import os
@@ -34,10 +43,11 @@ class ShmPoolBuffer:
         nbytes = _nbytes(self.shape, dtype)
         self._shm: shared_memory.SharedMemory | None = None
         self._map: mmap.mmap | None = None
+        self._lock_fd: int | None = None
         if create:
-            self._shm = shared_memory.SharedMemory(
-                name=name or f"{prefix}_{secrets.token_hex(8)}", create=True,
-                size=max(1, nbytes))
+            name = name or f"{prefix}_{secrets.token_hex(8)}"
+            self._lock_fd = _hold_lock(name)
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, nbytes))
             self.name = self._shm.name
             buf: Any = self._shm.buf
         else:
@@ -78,6 +88,11 @@ class ShmPoolBuffer:
                 shm.unlink()
             except FileNotFoundError:
                 pass
+        if self._lock_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_lock_path(self.name))
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def __enter__(self) -> Self:
         return self
@@ -86,8 +101,49 @@ class ShmPoolBuffer:
         self.close()
 
 
+SHM_DIR = "/dev/shm"
+
+
+def _lock_path(name: str) -> str:
+    return f"{SHM_DIR}/{name.lstrip('/')}.lock"
+
+
+def _hold_lock(name: str) -> int | None:
+    """Create and flock `<name>.lock`; the fd stays open (and locked) while we live."""
+    if not os.path.isdir(SHM_DIR):
+        return None
+    fd = os.open(_lock_path(name), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def sweep_stale_segments(prefix: str = "pdkv") -> list[str]:
+    """Unlink the segments whose creator is gone (nobody holds their lock); returns their names.
+    Segments with no lock file are left alone: nothing says whether their owner lives."""
+    removed = []
+    for lock in glob.glob(f"{SHM_DIR}/{prefix}_*.lock"):
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: its creator is alive
+        finally:
+            os.close(fd)
+        name = os.path.basename(lock)[: -len(".lock")]
+        for path in (f"{SHM_DIR}/{name}", lock):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        removed.append(name)
+    return removed
+
+
 def alloc_shm_pool(num_pages: int, num_layers: int, page_size: int, num_kv_heads: int,
                    head_dim: int, dtype: torch.dtype) -> ShmPoolBuffer:
     """A page-major pool buffer in a fresh shared-memory segment; pass `.tensor` to
-    `KVPool(buffer=...)` and `KVManager(pool_buffer=...)`, and close() it at shutdown."""
+    `KVPool(buffer=...)` and `KVManager(pool_buffer=...)`, and close() it at shutdown.
+    Segments left by creators that died are swept first."""
+    sweep_stale_segments()
     return ShmPoolBuffer((num_pages, num_layers, 2, page_size, num_kv_heads, head_dim), dtype)
