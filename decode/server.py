@@ -12,9 +12,6 @@ import grpc
 from pdserve.engine.req import Req
 from pdserve.engine.stream import ReqChannel, StreamEvent
 from pdserve.engine.worker_common import (
-    BadRequest,
-    check_input_ids,
-    sampling_from_wire,
     tokens_chunk,
 )
 from pdserve.engine.worker_service import WorkerServiceBase
@@ -76,20 +73,10 @@ class DecodeService(WorkerServiceBase):
                             f"{self.role} worker: Prefill is served by prefill workers")
 
     async def Decode(self, request: pb.DecodeRequest, context):
-        await self.check_serving(context)
-        cfg = self.model_config
-        try:
-            sp = sampling_from_wire(request.sampling, cfg.vocab_size)
-            ids = list(request.input_ids)
-            check_input_ids(ids, cfg.vocab_size, self.memory.max_context_len, sp.max_tokens)
-            if request.bootstrap_addr and request.room == 0:
-                raise BadRequest("room: must be a non-zero 63-bit id with a bootstrap_addr")
-        except BadRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        try:
-            rid = self.enter(request.request_id, request.room)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        rid, ids, sp = await self.accept(
+            request, context,
+            "room: must be a non-zero 63-bit id with a bootstrap_addr"
+            if request.bootstrap_addr else None)
         chan = ReqChannel(asyncio.get_running_loop())
         ctx = DecodeCtx(request.room, request.bootstrap_addr, chan, request.skip_first_token,
                         t_arrival=time.perf_counter())

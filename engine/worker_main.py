@@ -12,6 +12,8 @@ import asyncio
 import logging
 import sys
 
+import torch
+
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, build_engine_parts
 from pdserve.engine.scheduler_thread import SchedulerThread
@@ -92,7 +94,7 @@ def _build(role: str, args: argparse.Namespace):
         from pdserve.kvtransfer.shm_pool import alloc_shm_pool
 
         mc = read_model_config(cfg.model_path())
-        n = num_kv_pages(mc, cfg.cache, cfg.torch_dtype, __import__("torch").device(cfg.device))
+        n = num_kv_pages(mc, cfg.cache, cfg.torch_dtype, torch.device(cfg.device))
         shm = alloc_shm_pool(n, mc.num_layers, cfg.cache.page_size, mc.num_kv_heads,
                              mc.head_dim, cfg.torch_dtype)
         closers.append(shm.close)

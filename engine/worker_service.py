@@ -7,8 +7,14 @@ import secrets
 
 import grpc
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_thread import SchedulerThread
-from pdserve.engine.worker_common import load_message
+from pdserve.engine.worker_common import (
+    BadRequest,
+    check_input_ids,
+    load_message,
+    sampling_from_wire,
+)
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
@@ -32,6 +38,29 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
         self.live: set[str] = set()  # internal rids between arrival and the end of their RPC
 
     # ---- helpers -----------------------------------------------------------------------------
+
+    async def accept(self, request, context, room_error: str | None
+                     ) -> tuple[str, list[int], SamplingParams]:
+        """Validate a Prefill/Decode request and claim its (request id, room).
+
+        `room_error`: the message when the request needs a room and has none (None: no room
+        needed). Aborts the call with INVALID_ARGUMENT / ALREADY_EXISTS / UNAVAILABLE.
+        """
+        await self.check_serving(context)
+        vocab = self.model_config.vocab_size
+        try:
+            sp = sampling_from_wire(request.sampling, vocab)
+            ids = list(request.input_ids)
+            check_input_ids(ids, vocab, self.memory.max_context_len, sp.max_tokens)
+            if room_error is not None and request.room == 0:
+                raise BadRequest(room_error)
+        except BadRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            rid = self.enter(request.request_id, request.room)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        return rid, ids, sp
 
     def enter(self, request_id: str, room: int) -> str:
         """Register an arriving request; returns its internal id. A retried request reuses

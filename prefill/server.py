@@ -10,7 +10,6 @@ from typing import Any
 import grpc
 
 from pdserve.engine.req import Req
-from pdserve.engine.worker_common import BadRequest, check_input_ids, sampling_from_wire
 from pdserve.engine.worker_service import WorkerServiceBase
 from pdserve.proto import pdserve_pb2 as pb
 
@@ -61,20 +60,7 @@ class PrefillService(WorkerServiceBase):
     role = "prefill"
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
-        await self.check_serving(context)
-        cfg = self.model_config
-        try:
-            sp = sampling_from_wire(request.sampling, cfg.vocab_size)
-            ids = list(request.input_ids)
-            check_input_ids(ids, cfg.vocab_size, self.memory.max_context_len, sp.max_tokens)
-            if request.room == 0:
-                raise BadRequest("room: must be a non-zero 63-bit id")
-        except BadRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        try:
-            rid = self.enter(request.request_id, request.room)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        rid, ids, sp = await self.accept(request, context, "room: must be a non-zero 63-bit id")
         loop = asyncio.get_running_loop()
         ctx = PrefillCtx(request.room, loop, loop.create_future(), t_arrival=time.perf_counter())
         req = Req(rid, ids, sp)
