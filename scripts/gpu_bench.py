@@ -172,6 +172,7 @@ class Bench:
         iters = 10 if self.args.quick else 30
         eager: dict[int, float] = {}
         fbs = {}
+        graph_s = 0.0
         for b in self.batches:
             seqs.pretend_context(b, self.args.context - 1)
             fbs[b] = seqs.batch([[7]] * b)
@@ -191,10 +192,25 @@ class Bench:
         for b in self.batches:
             fb = fbs[b]
             sec = timed(lambda fb=fb, r=runner: r.replay(fb).argmax(-1), iters)
+            graph_s = sec if b == 1 else graph_s
             self.report_decode(name, "cuda-graph", b, sec)
             self.rec(f"decode {name}", f"eager / cuda-graph step time bs={b}",
                      round(eager[b] / sec, 3), "x")
         runner.graphs.clear()  # frees the graphs and their pool before the next section
+        self._unfused_decode(name, backend, fbs[1], iters, graph_s)
+
+    def _unfused_decode(self, name: str, backend, fb, iters: int, fused_s: float) -> None:  # noqa: ANN001
+        """The same bs=1 CUDA-graph step with RMSNorm/residual, RoPE and SiLU-mul as plain torch."""
+        from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
+        from pdserve.engine.models.fused import fused_ops
+
+        with fused_ops(False):
+            runner = CudaGraphDecodeRunner(self.model, self.pool, backend, 1)
+            runner.capture()
+        sec = timed(lambda: runner.replay(fb).argmax(-1), iters)
+        self.rec(f"decode {name}", "torch-ops / fused-ops step time bs=1 (cuda-graph)",
+                 round(sec / fused_s, 3), "x", torch_ops_ms=round(sec * 1e3, 3))
+        runner.graphs.clear()
 
     def prefill(self, name: str) -> None:
         backend = make_backend(name, self.cfg)
@@ -209,18 +225,38 @@ class Bench:
             backend.init_forward(fb)
             self.model(fb)
 
+        from pdserve.engine.models.fused import fused_ops
+
         sec = timed(run, 5 if self.args.quick else 10, warmup=2)
         rate = prefill_flops(self.cfg, t) / sec
         self.rec(f"prefill {name}", f"prefill {t} tokens", round(sec * 1e3, 2), "ms",
                  ">= 83% of matmul rate", tflops=round(rate / 1e12, 1),
                  frac_matmul=round(rate / self.rate, 3) if self.rate else None,
                  tok_per_s=round(t / sec))
+        with fused_ops(False):
+            plain = timed(run, 3, warmup=1)
+        self.rec(f"prefill {name}", "torch-ops / fused-ops prefill time", round(plain / sec, 3),
+                 "x", torch_ops_ms=round(plain * 1e3, 2))
 
     def correctness(self, names: list[str]) -> None:
-        """torch reference vs each backend (eager, CUDA graph): teacher-forced logits and
-        free-running greedy tokens."""
+        """Each backend (eager, CUDA graph) against the plain-torch bf16 reference and an fp32
+        copy of the same model: teacher-forced logits and free-running greedy tokens. Run on the
+        model as initialised (every matrix N(0, 0.02)) and again with the residual-branch output
+        projections scaled by 1/sqrt(2 * layers) (GPT-2's init), where bf16 rounding noise is
+        not amplified layer after layer."""
+        layers = self.cfg.num_layers
+        self._correctness(names, "flat init")
+        with torch.no_grad():
+            for layer in self.model.layers:
+                layer.self_attn.o_proj.mul_((2 * layers) ** -0.5)
+                layer.mlp.down_proj.mul_((2 * layers) ** -0.5)
+        self._correctness(names, "scaled init")
+
+    def _correctness(self, names: list[str], variant: str) -> None:
         from pdserve.engine.attention.torch_backend import TorchAttentionBackend
         from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
+        from pdserve.engine.models.fused import fused_ops
+        from pdserve.engine.models.llama import LlamaForCausalLM
 
         steps = 16 if self.args.quick else 64
         gen = torch.Generator().manual_seed(5)
@@ -228,42 +264,66 @@ class Bench:
         prompts = [torch.randint(0, self.cfg.vocab_size, (n,), generator=gen).tolist()
                    for n in lens]
         model = self.model
-        ref_seqs = PagedSeqs(self.pool, TorchAttentionBackend(), seed=3)
-        ref_toks, ref_logits = greedy_run(model, ref_seqs, prompts, steps, eager_step(model))
+        with fused_ops(False):  # the reference: plain torch everywhere
+            ref_seqs = PagedSeqs(self.pool, TorchAttentionBackend(), seed=3)
+            ref_toks, ref_logits = greedy_run(model, ref_seqs, prompts, steps, eager_step(model))
         forced = [t[:-1] for t in ref_toks]
+        with torch.no_grad():  # fp32 copy of the same weights, teacher-forced on the same tokens
+            m32 = LlamaForCausalLM(self.cfg, dtype=torch.float32, device="cuda").eval()
+            for a, b in zip(m32.parameters(), model.parameters()):
+                a.copy_(b)
+        pages = sum(-(-(n + steps + 1) // 16) for n in lens) + 64
+        pool32 = KVPool(pages, self.cfg.num_layers, 16, self.cfg.num_kv_heads,
+                        self.cfg.head_dim, torch.float32, "cuda")
+        with fused_ops(False):
+            _, logits32 = greedy_run(m32, PagedSeqs(pool32, TorchAttentionBackend(), seed=6),
+                                     prompts, steps, eager_step(m32), forced)
+        del m32, pool32
+        floor = max(rel_diff(x, r) for x, r in zip(ref_logits, logits32))
+        self.rec(f"correct ref {variant}", "bf16 torch reference vs fp32: max rel. norm diff",
+                 round(floor, 5), "", "noise floor")
         for name in names:
             for mode in ("eager", "cuda-graph"):
+                sec = f"correct {name} {mode} {variant}"
                 try:
-                    backend = make_backend(name, self.cfg)
-                    seqs = PagedSeqs(self.pool, backend, seed=4)
-                    step = eager_step(model)
-                    runner = None
-                    if mode == "cuda-graph":
-                        runner = CudaGraphDecodeRunner(model, self.pool, backend, 8)
-                        runner.capture()
-                        step = runner.replay
-                    _, logits = greedy_run(model, seqs, prompts, steps, step, forced)
-                    worst = max(rel_diff(x, r) for x, r in zip(logits, ref_logits))
-                    agree, counted = confident_agreement(ref_logits, logits, margin=0.05)
-                    toks, _ = greedy_run(model, seqs, prompts, steps, step)
-                    same = sum(a == b for a, b in zip(toks, ref_toks))
-                    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                             for a, b in zip(toks, ref_toks)]
-                    sec = f"correct {name} {mode}"
-                    self.rec(sec, "max rel. norm diff of logits (teacher-forced)",
-                             round(worst, 5), "", "< 2e-2", ok=worst < 2e-2)
-                    self.rec(sec, "argmax agreement where ref top-2 gap > 0.05",
-                             f"{agree}/{counted}", "", "all", ok=agree == counted)
-                    self.rec(sec, f"greedy seqs equal over {steps} steps (ctx {lens})",
-                             f"{same}/{len(prompts)}", "", "all",
-                             first_divergence=first, ok=same == len(prompts))
-                    del runner
+                    self._check_backend(name, mode, sec, model, prompts, steps, ref_toks,
+                                        ref_logits, logits32, floor, CudaGraphDecodeRunner)
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
-                    self.rec(f"correct {name} {mode}", "error", f"{type(e).__name__}: {e}"[:300])
+                    self.rec(sec, "error", f"{type(e).__name__}: {e}"[:300])
                 finally:
                     gc.collect()
                     torch.cuda.empty_cache()
+
+    def _check_backend(self, name, mode, sec, model, prompts, steps, ref_toks,  # noqa: ANN001
+                       ref_logits, logits32, floor, runner_cls) -> None:
+        backend = make_backend(name, self.cfg)
+        seqs = PagedSeqs(self.pool, backend, seed=4)
+        step = eager_step(model)
+        runner = None
+        if mode == "cuda-graph":
+            runner = runner_cls(model, self.pool, backend, 8)
+            runner.capture()
+            step = runner.replay
+        forced = [t[:-1] for t in ref_toks]
+        _, logits = greedy_run(model, seqs, prompts, steps, step, forced)
+        worst = max(rel_diff(x, r) for x, r in zip(logits, ref_logits))
+        worst32 = max(rel_diff(x, r) for x, r in zip(logits, logits32))
+        agree, counted = confident_agreement(ref_logits, logits, margin=0.05)
+        toks, _ = greedy_run(model, seqs, prompts, steps, step)
+        same = sum(a == b for a, b in zip(toks, ref_toks))
+        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                 for a, b in zip(toks, ref_toks)]
+        self.rec(sec, "max rel. norm diff of logits vs bf16 torch ref", round(worst, 5), "",
+                 "< 2e-2", ok=worst < 2e-2)
+        self.rec(sec, "max rel. norm diff of logits vs fp32", round(worst32, 5), "",
+                 "<= 1.5x the bf16 ref's", x_floor=round(worst32 / floor, 3) if floor else None,
+                 ok=worst32 <= 1.5 * floor)
+        self.rec(sec, "argmax agreement where ref top-2 gap > 0.05", f"{agree}/{counted}", "",
+                 "all", ok=agree == counted)
+        self.rec(sec, f"greedy seqs equal over {steps} steps", f"{same}/{len(prompts)}", "",
+                 "all", first_divergence=first, ok=same == len(prompts))
+        del runner
 
 
 def main() -> int:

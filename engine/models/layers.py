@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.models.fused import use_fused
+
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -23,13 +25,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = empty_param(size, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`, (norm(x + residual), x + residual): the add that closes a
+        block fused with the norm that opens the next (in place on `residual` when fused)."""
+        if use_fused(x):
+            from pdserve.kernels.fused_norm import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps, residual)
+        s = x if residual is None else x + residual
         # Normalise in fp32 and cast back before the weight multiply: the order HF uses, so
         # bf16 results round the same way as the reference implementation.
-        dtype = x.dtype
-        h = x.to(torch.float32)
+        h = s.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        out = self.weight * h.to(s.dtype)
+        return out if residual is None else (out, s)
 
 
 class SwiGLUMLP(nn.Module):
@@ -46,5 +56,10 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = empty_param(hidden_size, intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
+        gate_up = F.linear(x, self.gate_up_proj)
+        if use_fused(gate_up):
+            from pdserve.kernels.silu_mul import silu_mul
+
+            return F.linear(silu_mul(gate_up), self.down_proj)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj)

@@ -16,6 +16,7 @@ from torch import nn
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.models.fused import use_fused
 from pdserve.engine.models.layers import RMSNorm, SwiGLUMLP, empty_param
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rope
 
@@ -46,8 +47,14 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        if use_fused(x):
+            from pdserve.kernels.rope import apply_rope_qk_
+
+            apply_rope_qk_(q, k, cos, sin)  # in place, on the qkv output
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = fb.attn_backend.forward(self.layer_id, q, k, v, fb, self.scale)
         return F.linear(o.reshape(t, self.q_size), self.o_proj)
@@ -62,10 +69,17 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, fb)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+        sin: torch.Tensor, fb: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block output, residual stream before it is added): each block's closing residual
+        add is done by the next norm, fused with it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, fb), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -93,12 +107,19 @@ class LlamaForCausalLM(nn.Module):
             return torch.empty(0, self.config.vocab_size, device=self.embed_tokens.device)
         h = F.embedding(fb.input_ids, self.embed_tokens)
         # One cos/sin per forward, shared by every layer.
-        cos, sin = self.rotary.cos_sin(fb.positions, h.dtype)
+        if use_fused(h):
+            cos, sin = self.rotary.cos_sin_half(fb.positions)
+        else:
+            cos, sin = self.rotary.cos_sin(fb.positions, h.dtype)
+        residual = None
         for layer in self.layers:
-            h = layer(h, cos, sin, fb)
+            h, residual = layer(h, residual, cos, sin, fb)
         # Tokens are laid out sequence by sequence, so the last one of each is at cumsum - 1.
         last = torch.cumsum(fb.extend_lens, dim=0) - 1
-        h = self.norm(h[last])
+        if residual is None:  # no layers
+            h = self.norm(h[last])
+        else:
+            h, _ = self.norm(h[last], residual[last])
         return F.linear(h, self.lm_head).float()
 
     # ---- weight loading: checkpoint (HF) names -> slices of our fused parameters ----

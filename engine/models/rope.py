@@ -92,6 +92,12 @@ class RotaryEmbedding(torch.nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+    def cos_sin_half(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> fp32 (cos, sin) each [T, head_dim // 2], for kernels/rope.py."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, head_dim] rotated by per-token cos/sin [T, 1, head_dim]."""
     half = x.shape[-1] // 2

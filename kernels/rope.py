@@ -1,0 +1,71 @@
+"""Rotary embedding applied to q and k in place, in one launch (one program per token).
+
+q and k may be strided views of the fused qkv projection. cos/sin come in fp32 at half the head
+dim ([T, head_dim // 2], Hugging Face's rotate-half layout repeats them over both halves) and
+the rotation is done in fp32 with one rounding to the activation dtype; the plain-torch path
+(engine/models/rope.py) rounds cos/sin and each product to bf16, so this is the more exact one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D // 2] fp32 -> rotated x (new tensor, x's dtype)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+@triton.jit
+def _rotate(base, stride_h, c, s, d, HEADS: tl.constexpr, HALF: tl.constexpr,
+            BLOCK_H: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    m = (h < HEADS) & (d[None, :] < HALF)
+    p = base + h * stride_h + d[None, :]
+    x1 = tl.load(p, mask=m).to(tl.float32)
+    x2 = tl.load(p + HALF, mask=m).to(tl.float32)
+    dt = base.dtype.element_ty
+    tl.store(p, (x1 * c - x2 * s).to(dt), mask=m)
+    tl.store(p + HALF, (x2 * c + x1 * s).to(dt), mask=m)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
+    HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HALF
+    c = tl.load(cos_ptr + t * stride_ct + d, mask=dm, other=0.0)[None, :]
+    s = tl.load(sin_ptr + t * stride_ct + d, mask=dm, other=0.0)[None, :]
+    _rotate(q_ptr + t * stride_qt, stride_qh, c, s, d, HQ, HALF, BLOCK_HQ)
+    _rotate(k_ptr + t * stride_kt, stride_kh, c, s, d, HK, HALF, BLOCK_HK)
+
+
+def apply_rope_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> None:
+    """Rotates q [T, Hq, D] and k [T, Hk, D] in place by per-token cos/sin [T, D // 2] fp32."""
+    t, _, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d or d % 2:
+        raise ValueError(f"k: shape {tuple(k.shape)} does not pair with q {tuple(q.shape)}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("q: head_dim must be the contiguous (last) dimension")
+    if cos.shape != (t, d // 2) or sin.shape != cos.shape or cos.stride() != sin.stride():
+        raise ValueError(f"cos: expected ({t}, {d // 2}) like sin, got {tuple(cos.shape)}")
+    if cos.dtype != torch.float32 or cos.stride(-1) != 1:
+        raise ValueError("cos: expected fp32 with a contiguous last dim")
+    if t == 0:
+        return
+    hq, hk = q.shape[1], k.shape[1]
+    _rope_kernel[(t,)](
+        q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        HQ=hq, HK=hk, HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq),
+        BLOCK_HK=triton.next_power_of_2(hk), BLOCK_D=triton.next_power_of_2(d // 2),
+        num_warps=4)
