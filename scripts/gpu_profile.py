@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -76,11 +77,34 @@ def main() -> int:
             runner = CudaGraphDecodeRunner(model, pool, backend, b)
             runner.capture()
             bucket = runner.bucket_for(b)
+            full = timed(lambda r=runner, fb=fb: r.replay(fb), 20)  # also fills the inputs
             bare = timed(lambda r=runner, k=bucket: r.graphs[k].replay(), 20)
-            full = timed(lambda r=runner, fb=fb: r.replay(fb), 20)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                runner.replay(fb)
+            host = (time.perf_counter() - t0) / 10
+            torch.cuda.synchronize()
             print(f"  graph replay bs={b}: bare {bare * 1e3:.3f} ms, with inputs and plan "
-                  f"{full * 1e3:.3f} ms")
+                  f"{full * 1e3:.3f} ms; host time of one replay() call {host * 1e3:.3f} ms "
+                  "(queued back to back)")
+            rows = kernel_table(lambda r=runner, fb=fb: r.replay(fb))
+            print(f"  in the graph: {sum(r[2] for r in rows):.3f} ms of kernel time")
+            for n, c, t in rows[:6]:
+                print(f"  {t:8.3f} ms  {c:5d}x  {n}")
             runner.graphs.clear()
+        prompt = torch.randint(0, cfg.vocab_size, (4096,)).tolist()
+
+        def prefill(backend=backend, seqs=seqs, prompt=prompt) -> None:  # noqa: ANN001
+            seqs.reset(1)
+            fb = seqs.batch([prompt])
+            backend.init_forward(fb)
+            model(fb)
+
+        rows = kernel_table(prefill, steps=2)
+        print(f"\n== {name} prefill 4096: {sum(r[2] for r in rows):.3f} ms of kernel time")
+        for n, c, t in rows[:16]:
+            print(f"  {t:8.3f} ms  {c:5d}x  {n}")
     return 0
 
 

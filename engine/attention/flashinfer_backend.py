@@ -25,21 +25,31 @@ WORKSPACE_BYTES = 256 << 20
 
 def page_tables(fb: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, ...]:
     """(page_indptr [B+1] int32 host, page_indices [N] int32 device, last_page_len [B] int32
-    host) for FlashInfer, from the token-level `kv_indptr` / `kv_indices`."""
+    host) for FlashInfer, from the token-level `kv_indptr` / `kv_indices`.
+
+    Nothing here waits for the GPU: the page indices are gathered on the device from device
+    tensors (only their count comes from the host lengths), and the host tables are pinned so
+    that FlashInfer's copies of them are asynchronous. A copy from pageable memory would sync
+    the stream and stall the CPU behind the step already running (no overlap)."""
     ps = fb.kv_pool.page_size
     seq_lens = torch.tensor(fb.seq_lens_cpu if fb.seq_lens_cpu is not None
                             else fb.seq_lens.tolist(), dtype=torch.int64)
     num_pages = (seq_lens + ps - 1) // ps
     page_indptr = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64)
     torch.cumsum(num_pages, 0, out=page_indptr[1:])
-    kv_indptr = torch.zeros_like(page_indptr)
-    torch.cumsum(seq_lens, 0, out=kv_indptr[1:])
-    seq_of_page = torch.repeat_interleave(torch.arange(seq_lens.shape[0]), num_pages)
-    j = torch.arange(seq_of_page.shape[0]) - page_indptr[seq_of_page]
-    token_pos = (kv_indptr[seq_of_page] + j * ps).to(device, non_blocking=True)
+    total = int(page_indptr[-1])
+    dev_pages = (fb.seq_lens.to(torch.int64) + ps - 1) // ps
+    seq_of_page = torch.repeat_interleave(
+        torch.arange(dev_pages.shape[0], device=dev_pages.device), dev_pages, output_size=total)
+    first_page = torch.cumsum(dev_pages, 0) - dev_pages
+    j = torch.arange(total, device=dev_pages.device) - first_page[seq_of_page]
+    token_pos = fb.kv_indptr[:-1].to(torch.int64)[seq_of_page] + j * ps
     pages = torch.div(fb.kv_indices[token_pos], ps, rounding_mode="floor").to(torch.int32)
     last = ((seq_lens - 1) % ps + 1).to(torch.int32)
-    return page_indptr.to(torch.int32), pages, last
+    page_indptr = page_indptr.to(torch.int32)
+    if device.type == "cuda":
+        page_indptr, last = page_indptr.pin_memory(), last.pin_memory()
+    return page_indptr, pages.to(device), last
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -90,7 +100,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._planned = fb
             return
         indptr, indices, last = page_tables(fb, self.device)
-        common = {"q_data_type": pool.dtype, "kv_data_type": pool.dtype, "sm_scale": scale}
+        common = {"q_data_type": pool.dtype, "kv_data_type": pool.dtype, "sm_scale": scale,
+                  "non_blocking": True}
         if fb.mode == ForwardMode.DECODE:
             tc = self.use_tensor_cores(num_heads, pool.num_kv_heads)
             self._wrapper = self._decode_wrapper(tc)
@@ -101,6 +112,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                                else fb.extend_lens.tolist(), dtype=torch.int64)
             qo_indptr = torch.zeros(ext.shape[0] + 1, dtype=torch.int32)
             torch.cumsum(ext, 0, out=qo_indptr[1:])
+            if self.device.type == "cuda":
+                qo_indptr = qo_indptr.pin_memory()
             self._wrapper = self._prefill
             self._prefill.plan(qo_indptr, indptr, indices, last, num_heads, pool.num_kv_heads,
                                pool.head_dim, pool.page_size, causal=True, **common)
