@@ -92,6 +92,7 @@ class SchedulerConfig:
     chunked_prefill_size: int = 2048  # token budget of one extend batch
     max_prefill_tokens: int = 8192
     decode_reserve_tokens: int = 32  # per running request, kept free for decode growth
+    overlap_schedule: bool = True  # on CUDA: launch decode step N+1 before reading step N back
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

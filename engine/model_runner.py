@@ -7,12 +7,14 @@ scheduling state; the Scheduler decides what runs.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.config import CacheConfig, ModelConfig
+from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.req import Req
 from pdserve.engine.sampler import SampleOutput, Sampler, SamplingBatch
@@ -106,9 +108,13 @@ class ModelRunner:
         self.cuda_graph = runner
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduleBatch, memory) -> torch.Tensor:
-        """Logits [B, vocab] of the last new token of each request."""
+    def forward(self, batch: ScheduleBatch, memory,
+                fix_inputs: Callable[[ForwardBatch], None] | None = None) -> torch.Tensor:
+        """Logits [B, vocab] of the last new token of each request. `fix_inputs` may patch the
+        built batch on the device first (overlap: input ids still on the device)."""
         fb = batch.build(memory.req_to_token.table, self.pool, self.attn_backend, self.device)
+        if fix_inputs is not None:
+            fix_inputs(fb)
         if self.cuda_graph is not None and self.cuda_graph.can_run(fb):
             # A view of the graph's static output: consumed (sampled) before the next step.
             return self.cuda_graph.replay(fb)

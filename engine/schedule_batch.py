@@ -10,6 +10,14 @@ from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 from pdserve.engine.req import Req
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; on CUDA through pinned staging, asynchronously: a copy from
+    pageable memory may wait for the GPU to drain, which would undo overlap scheduling."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class ExtendEntry:
     """`req` computes fill_ids[start : start + num_tokens] in this pass."""
@@ -53,16 +61,22 @@ class ScheduleBatch:
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
         indptr = torch.zeros(len(rows) + 1, dtype=torch.int64)
         indptr[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int64), 0)
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            return to_device(t, device)
+
+        def i64(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64)
+
         return ForwardBatch(
             mode=self.mode,
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True),
-            positions=positions.to(device, non_blocking=True),
-            out_cache_loc=out_loc.to(device, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device, non_blocking=True),
-            prefix_lens=torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True),
-            extend_lens=torch.tensor(lens, dtype=torch.int64).to(device, non_blocking=True),
-            kv_indptr=indptr.to(device, non_blocking=True),
-            kv_indices=kv_indices.to(device, non_blocking=True),
+            input_ids=dev(i64(ids)),
+            positions=dev(positions),
+            out_cache_loc=dev(out_loc),
+            seq_lens=dev(i64(seq_lens)),
+            prefix_lens=dev(i64(starts)),
+            extend_lens=dev(i64(lens)),
+            kv_indptr=dev(indptr),
+            kv_indices=dev(kv_indices),
             kv_pool=kv_pool,
             attn_backend=attn_backend,
             seq_lens_cpu=seq_lens,

@@ -20,6 +20,7 @@ from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.forward_batch import ForwardMode
 from pdserve.engine.memory import KVMemory
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.overlap import OverlapDecoder, simple_sampling
 from pdserve.engine.req import Req
 from pdserve.engine.schedule_batch import ExtendEntry, ScheduleBatch
 
@@ -33,6 +34,9 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked: Req | None = None  # a prompt part-way through chunked prefill
         self.eos_ids = tuple(runner.model_config.eos_token_ids)
+        on_device = runner.device.type == "cuda" or config.extra.get("overlap_on_cpu", False)
+        self.overlap = (OverlapDecoder(self) if config.overlap_schedule and on_device
+                        else None)
 
     # ---- hooks --------------------------------------------------------------------------------
 
@@ -62,6 +66,8 @@ class Scheduler:
 
     def abort(self, rid: str, reason: str = "abort") -> Req | None:
         """Remove a request wherever it is; its KV is released. Returns it if found."""
+        if self.overlap is not None:
+            self.overlap.drain()  # its KV may be in use by the step in flight
         for q in (self.waiting, self.running):
             for r in list(q):
                 if r.rid == rid:
@@ -82,7 +88,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked
+                    or (self.overlap is not None and self.overlap.busy))
 
     # ---- one iteration ------------------------------------------------------------------------
 
@@ -91,7 +98,7 @@ class Scheduler:
         if batch is not None:
             self.run_extend(batch)
             return ForwardMode.EXTEND
-        if self.running:
+        if self.running or (self.overlap is not None and self.overlap.busy):
             self.run_decode()
             return ForwardMode.DECODE
         return ForwardMode.IDLE
@@ -145,6 +152,13 @@ class Scheduler:
             self.on_prefill_done(r)
 
     def run_decode(self) -> None:
+        ov = self.overlap
+        if ov is not None:
+            if all(simple_sampling(r) for r in self.running):
+                launch = [r for r in self.running if not ov.will_end_by_length(r)]
+                if ov.step(launch):
+                    return
+            ov.drain()  # retraction, penalties and logprobs need the exact host state
         reqs = self._reserve_decode_slots()
         if not reqs:
             return

@@ -38,6 +38,9 @@ def parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly (CUDA)")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read each decode step's tokens back before launching the next (CUDA)")
     p.add_argument("--router", default=None, help="router gRPC address to register with")
     p.add_argument("--registration-secret", default="",
                    help="cluster secret: presented to the router, and required (metadata "
@@ -63,11 +66,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype,
         attention_backend=args.attention_backend, disable_radix_cache=args.disable_radix_cache,
+        disable_cuda_graph=args.disable_cuda_graph,
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages,
                           mem_fraction=args.mem_fraction, max_reqs=args.max_running * 2 + 8,
                           max_context_len=args.max_context_len),
         scheduler=SchedulerConfig(max_running=args.max_running,
-                                  chunked_prefill_size=args.chunked_prefill_size))
+                                  chunked_prefill_size=args.chunked_prefill_size,
+                                  overlap_schedule=not args.disable_overlap_schedule))
 
 
 def transfer_config(args: argparse.Namespace):
