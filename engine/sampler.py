@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.schedule_batch import to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -99,7 +100,7 @@ class SamplingBatch:
         device = torch.device(device)
 
         def vec(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(torch.tensor(values, dtype=dtype), device)  # no wait for the GPU
 
         greedy = [p.greedy for p in params]
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
