@@ -1,4 +1,5 @@
-"""Page gather / scatter between a page-major KV pool and a contiguous staging buffer.
+"""Page gather / scatter between a page-major KV pool and a contiguous staging buffer, and page
+to page copy between two pools.
 
 Plain torch reference; this is the API faster kernels must match. A pool is any tensor whose
 first dimension is the page (`[num_pages, ...]`); `pages` are page indices. Runs of consecutive
@@ -54,3 +55,28 @@ def scatter_pages(staging: torch.Tensor, pool: torch.Tensor,
     _check(pool, staging, len(idx), "staging")
     for off, first, length in _runs(idx):
         pool[first:first + length].copy_(staging[off:off + length])
+
+
+def check_pools(src_pool: torch.Tensor, dst_pool: torch.Tensor) -> None:
+    """ValueError unless the two pools hold pages of the same shape and dtype."""
+    if tuple(src_pool.shape[1:]) != tuple(dst_pool.shape[1:]) or src_pool.dtype != dst_pool.dtype:
+        raise ValueError(f"dst_pool: pages {tuple(dst_pool.shape[1:])} {dst_pool.dtype} != "
+                         f"source pages {tuple(src_pool.shape[1:])} {src_pool.dtype}")
+
+
+def copy_pages(src_pool: torch.Tensor, dst_pool: torch.Tensor,
+               src_pages: Sequence[int] | torch.Tensor,
+               dst_pages: Sequence[int] | torch.Tensor) -> None:
+    """dst_pool[dst_pages[i]] = src_pool[src_pages[i]] for each i (the pools may sit on two
+    devices); pages consecutive on both sides are copied as one slice."""
+    src, dst = _as_list(src_pages), _as_list(dst_pages)
+    if len(src) != len(dst):
+        raise ValueError(f"dst_pages: {len(dst)} pages for {len(src)} source pages")
+    check_pools(src_pool, dst_pool)
+    i = 0
+    while i < len(src):
+        j = i + 1
+        while j < len(src) and src[j] == src[j - 1] + 1 and dst[j] == dst[j - 1] + 1:
+            j += 1
+        dst_pool[dst[i]:dst[i] + j - i].copy_(src_pool[src[i]:src[i] + j - i])
+        i = j

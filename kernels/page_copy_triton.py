@@ -3,8 +3,8 @@
 Same semantics as `kernels/page_copy.py` (the torch reference): `gather_pages` does
 out[i] = pool[pages[i]], `scatter_pages` does pool[pages[i]] = staging[i]. One launch copies
 every page, whatever the runs, so a request of scattered pages costs one kernel instead of one
-memcpy per run. Each page of the pool (`pool[p]`) must be contiguous, which the page-major
-layout guarantees; the grid is (pages, chunks of one page).
+memcpy per run: both are the page-to-page copy kernel (`kernels/page_p2p_copy.py`) with the
+staging side's pages 0..n-1.
 """
 
 from __future__ import annotations
@@ -12,27 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import triton
-import triton.language as tl
 
-BLOCK = 4096  # elements per program; a 2 MiB bf16 page is 256 programs
-
-
-@triton.jit
-def _copy_pages_kernel(src_ptr, dst_ptr, page_ptr, page_numel,
-                       GATHER: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1).to(tl.int64)
-    page = tl.load(page_ptr + i).to(tl.int64)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < page_numel
-    if GATHER:
-        src = page * page_numel + offs
-        dst = i * page_numel + offs
-    else:
-        src = i * page_numel + offs
-        dst = page * page_numel + offs
-    tl.store(dst_ptr + dst, tl.load(src_ptr + src, mask=mask), mask=mask)
+from pdserve.kernels.page_p2p_copy import copy_pages
 
 
 def _page_tensor(pages: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -53,28 +34,20 @@ def _check(pool: torch.Tensor, staging: torch.Tensor, n: int, name: str) -> None
         raise ValueError(f"{name}: device {staging.device} != pool device {pool.device}")
 
 
-def _launch(src: torch.Tensor, dst: torch.Tensor, pages: torch.Tensor, gather: bool,
-            page_numel: int) -> None:
-    n = pages.shape[0]
-    if n == 0 or page_numel == 0:
-        return
-    grid = (n, triton.cdiv(page_numel, BLOCK))
-    _copy_pages_kernel[grid](src, dst, pages, page_numel, GATHER=gather, BLOCK=BLOCK,
-                             num_warps=8)
-
-
 def gather_pages(pool: torch.Tensor, pages: Sequence[int] | torch.Tensor,
                  out: torch.Tensor) -> torch.Tensor:
     """out[i] = pool[pages[i]] for each i; returns out[:len(pages)]."""
     idx = _page_tensor(pages, pool.device)
-    _check(pool, out, idx.shape[0], "out")
-    _launch(pool, out, idx, True, pool[0].numel())
-    return out[:idx.shape[0]]
+    n = idx.shape[0]
+    _check(pool, out, n, "out")
+    copy_pages(pool, out, idx, torch.arange(n, device=pool.device))
+    return out[:n]
 
 
 def scatter_pages(staging: torch.Tensor, pool: torch.Tensor,
                   pages: Sequence[int] | torch.Tensor) -> None:
     """pool[pages[i]] = staging[i] for each i."""
     idx = _page_tensor(pages, pool.device)
-    _check(pool, staging, idx.shape[0], "staging")
-    _launch(staging, pool, idx, False, pool[0].numel())
+    n = idx.shape[0]
+    _check(pool, staging, n, "staging")
+    copy_pages(staging, pool, torch.arange(n, device=pool.device), idx)

@@ -1,0 +1,86 @@
+"""Page-to-page copy between two page-major pools, in Triton:
+`dst_pool[dst_pages[i]] = src_pool[src_pages[i]]` for every i, in one launch.
+
+The torch reference is `kernels.page_copy.copy_pages`. The pools may live on different GPUs:
+the cuda_ipc transfer backend passes the peer's pool mapped through CUDA IPC (peer access
+enabled) as `dst_pool`; the kernel runs on the source GPU, loads local pages and stores straight
+into the peer's (NVLink writes), so a chunk of scattered pages needs neither a staging buffer
+nor one copy call per run. Gather and scatter against a staging buffer (page_copy_triton) are
+the special cases where one side's pages are 0..n-1.
+
+Each page of a pool (`pool[p]`) must be contiguous, which the page-major layout
+`[pages, layers, 2, page_size, kv_heads, head_dim]` guarantees. Grid: (pages, chunks of a page);
+a program moves BLOCK words of the widest integer type that divides the page and both base
+addresses (int64 for every real KV page), so its loads and stores are wide vectors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.page_copy import check_pools
+
+BLOCK = 2048  # words per program: 16 KiB of int64; a 2 MiB page is 128 programs
+
+
+@triton.jit
+def _copy_pages_kernel(src_ptr, dst_ptr, src_pages_ptr, dst_pages_ptr, page_words,
+                       BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    chunk = tl.program_id(1).to(tl.int64)
+    src_page = tl.load(src_pages_ptr + i).to(tl.int64)
+    dst_page = tl.load(dst_pages_ptr + i).to(tl.int64)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < page_words
+    words = tl.load(src_ptr + src_page * page_words + offs, mask=mask,
+                    eviction_policy="evict_first")  # read once: keep it out of L2
+    tl.store(dst_ptr + dst_page * page_words + offs, words, mask=mask)
+
+
+def _words(pool: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The pool as `[num_pages, page_words]` of an integer dtype (a view, no copy)."""
+    return pool.view(pool.shape[0], -1).view(torch.uint8).view(dtype)
+
+
+def _word_dtype(page_bytes: int, *ptrs: int) -> torch.dtype:
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if page_bytes % size == 0 and all(p % size == 0 for p in ptrs):
+            return dtype
+    return torch.uint8
+
+
+def _index(pages: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(pages, torch.Tensor):
+        return pages.to(device=device, dtype=torch.int64, non_blocking=True).reshape(-1)
+    return torch.tensor([int(p) for p in pages], dtype=torch.int64, device=device)
+
+
+def copy_pages(src_pool: torch.Tensor, dst_pool: torch.Tensor,
+               src_pages: Sequence[int] | torch.Tensor,
+               dst_pages: Sequence[int] | torch.Tensor) -> None:
+    """dst_pool[dst_pages[i]] = src_pool[src_pages[i]] for each i, launched on src_pool's
+    device (on its current stream). Page indices are not bounds-checked here: callers pass
+    validated pages (out-of-range indices would read or write outside the pools)."""
+    check_pools(src_pool, dst_pool)
+    if not src_pool.is_contiguous() or not dst_pool.is_contiguous():
+        raise ValueError("dst_pool: both pools must be contiguous page-major tensors")
+    src_idx, dst_idx = _index(src_pages, src_pool.device), _index(dst_pages, src_pool.device)
+    if src_idx.shape != dst_idx.shape:
+        raise ValueError(f"dst_pages: {dst_idx.numel()} pages for {src_idx.numel()} source pages")
+    n = src_idx.numel()
+    page_bytes = src_pool[0].numel() * src_pool.element_size() if src_pool.shape[0] else 0
+    if n == 0 or page_bytes == 0:
+        return
+    word = _word_dtype(page_bytes, src_pool.data_ptr(), dst_pool.data_ptr())
+    src_w, dst_w = _words(src_pool, word), _words(dst_pool, word)
+    page_words = src_w.shape[1]
+    grid = (n, triton.cdiv(page_words, BLOCK))
+    on_gpu = src_pool.device.type == "cuda"
+    with torch.cuda.device(src_pool.device) if on_gpu else contextlib.nullcontext():
+        _copy_pages_kernel[grid](src_w, dst_w, src_idx, dst_idx, page_words, BLOCK=BLOCK,
+                                 num_warps=4)
