@@ -2,9 +2,10 @@
 
 This process is the receiver (decode); a spawned child is the sender (prefill). Each request's
 pages are drawn at random from the pool (as after churn) or contiguous. Per configuration it
-prints GB/s, per-request latency p50/p99, descriptors per request, the raw ceiling measured in
-the same run (memcpy between host buffers, or torch peer copy between GPUs) and the ratio; the
-receiver checks a checksum of every page that arrived.
+prints GB/s, per-request latency p50/p99 (from the sender's first send() to the moment decode's
+room reached Success), descriptors per request, the raw ceiling measured in the same run
+(memcpy between host buffers, or torch peer copy between GPUs) and the ratio; the receiver
+checks a checksum of every page that arrived.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tqdm import tqdm
 
 from pdserve.kvtransfer.backends import available_backends
 from pdserve.kvtransfer.bench_worker import SenderProcess
-from pdserve.kvtransfer.config import TransferConfig
+from pdserve.kvtransfer.config import IPC_COPIES, TransferConfig
 from pdserve.kvtransfer.descriptors import merge_runs
 from pdserve.kvtransfer.manager import KVManager
 from pdserve.kvtransfer.peer import PoolSpec, make_pool, page_checksum
@@ -56,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=16, help="timed requests per configuration")
     p.add_argument("--chunk-tokens", type=int, default=0, help="chunked sends (0: one chunk)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--ipc-copy", default="auto", choices=list(IPC_COPIES),
+                   help="cuda_ipc: Triton page-to-page kernel, or gather/peer copy/scatter")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     return p.parse_args(argv)
 
@@ -110,7 +113,8 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm) 
             "model": args.model_shape}
     src_spec = PoolSpec(**base, seed=0, device="cuda:0" if cuda else "cpu")  # type: ignore
     dst_spec = PoolSpec(**base, shm=backend == "shm", device="cuda:1" if cuda else "cpu")  # type: ignore
-    cfg = TransferConfig(backend=backend, transfer_timeout_s=120, waiting_timeout_s=120)
+    cfg = TransferConfig(backend=backend, transfer_timeout_s=120, waiting_timeout_s=120,
+                         ipc_copy=args.ipc_copy)
     sender = SenderProcess(src_spec, cfg)
     pool, shm = make_pool(dst_spec)
     mgr = KVManager("decode", shm or pool, cfg, dst_spec.fingerprint())
@@ -150,8 +154,8 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm) 
                             for rm, r, _ in receivers:
                                 if rm not in done and r.poll() in (KVPoll.Success,
                                                                    KVPoll.Failed):
-                                    done[rm] = time.monotonic()
-                            time.sleep(0.0005)  # poll like a scheduler loop
+                                    done[rm] = r.state.since  # when the room reached it
+                            time.sleep(0.002)
                         res = sender.wave_result(180.0)
                         for rm, r, dst in receivers:
                             good = (r.poll() == KVPoll.Success

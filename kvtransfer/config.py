@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "shm", "tcp", "ucx", "cuda_ipc")
+IPC_COPIES = ("auto", "triton", "staged")
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,10 @@ class TransferConfig:
     lives on a GPU, else tcp); prefill in "auto" accepts whatever decode picks. A concrete name
     pins the backend on both sides (prefill refuses other choices at handshake).
     bootstrap_port 0 picks a free port (two clusters must run side by side).
+    ipc_copy (cuda_ipc, sender side): how scattered pages reach the peer's pool. "triton": one
+    kernel copies every page straight into the peer's mapped pool (kernels/page_p2p_copy.py),
+    contiguous chunks included; "staged": gather -> one peer copy -> scatter; "auto": the
+    kernel for scattered pages when Triton is there, plain peer copies for a few runs.
     """
 
     backend: str = "auto"
@@ -27,10 +32,13 @@ class TransferConfig:
     heartbeat_misses: int = 3  # a peer silent for interval * misses fails all its rooms
     num_aux_slots: int = 1024  # decode: concurrent rooms (one aux slot each)
     finished_room_ttl_s: float = 30.0  # how long a finished room id is remembered (late drops)
+    ipc_copy: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: {self.backend!r} is not one of {BACKENDS}")
+        if self.ipc_copy not in IPC_COPIES:
+            raise ValueError(f"ipc_copy: {self.ipc_copy!r} is not one of {IPC_COPIES}")
         if not 0 <= self.bootstrap_port <= 65535:
             raise ValueError(f"bootstrap_port: must be in [0, 65535], got {self.bootstrap_port}")
         for f in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s",

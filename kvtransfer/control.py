@@ -1,9 +1,10 @@
 """The control channel: one thread owning every ZMQ control socket of a KVManager.
 
 Prefill binds a ROUTER (the bootstrap endpoint); decode connects one DEALER per prefill worker.
-Messages are `[type, json]` (a ROUTER prepends the peer identity). Other threads never touch a
-socket: they hand the loop a closure with `call()`, which wakes it through a pipe, so control
-messages go out at once instead of on the next tick.
+Messages are `[type, json, *blobs]` (a ROUTER prepends the peer identity): page lists and
+chunk headers travel as raw binary frames after the JSON body, never as JSON lists. Other
+threads never touch a socket: they hand the loop a closure with `call()`, which wakes it
+through a pipe, so control messages go out at once instead of on the next tick.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import zmq
 
 log = logging.getLogger("pdserve.kvtransfer")
@@ -25,26 +27,44 @@ log = logging.getLogger("pdserve.kvtransfer")
 HELLO = b"HELLO"  # decode -> prefill: fingerprint, manager id, transports offered
 HELLO_OK = b"HELLO_OK"  # prefill -> decode: chosen backend
 REFUSE = b"REFUSE"  # prefill -> decode: handshake refused (reason names the field)
-REGISTER = b"REGISTER"  # decode -> prefill: room, destination pages, aux slot
+REGISTER = b"REGISTER"  # decode -> prefill: room, aux slot; blob: destination pages (int32)
 ABORT = b"ABORT"  # either way: room, reason
-NOTIFY = b"NOTIFY"  # prefill -> decode: a chunk was written one-sided (header)
+NOTIFY = b"NOTIFY"  # prefill -> decode: a chunk was written one-sided; blobs: header, token
 ACK = b"ACK"  # decode -> prefill: every page and the aux data of a room arrived
 PING = b"PING"  # decode -> prefill heartbeat
 PONG = b"PONG"  # prefill -> decode heartbeat reply
 BYE = b"BYE"  # decode -> prefill: closing, fail my rooms now
 
 
-def pack(kind: bytes, body: dict[str, Any]) -> list[bytes]:
-    return [kind, json.dumps(body).encode()]
+MAX_BLOBS = 2
 
 
-def unpack(frames: list[bytes]) -> tuple[bytes, dict[str, Any]]:
-    if len(frames) != 2:
-        raise ValueError(f"control message: expected 2 frames, got {len(frames)}")
+def pack(kind: bytes, body: dict[str, Any], *blobs: bytes) -> list[bytes]:
+    return [kind, json.dumps(body).encode(), *blobs]
+
+
+def unpack(frames: list[bytes]) -> tuple[bytes, dict[str, Any], list[bytes]]:
+    if not 2 <= len(frames) <= 2 + MAX_BLOBS:
+        raise ValueError(f"control message: expected 2 to {2 + MAX_BLOBS} frames, got "
+                         f"{len(frames)}")
     body = json.loads(frames[1]) if frames[1] else {}
     if not isinstance(body, dict):
         raise TypeError("control message: body is not an object")
-    return frames[0], body
+    return frames[0], body, frames[2:]
+
+
+def pages_blob(pages: np.ndarray) -> bytes:
+    """A page list as little-endian int32 (pool page numbers fit; checked)."""
+    if len(pages) and (pages.min() < 0 or pages.max() > np.iinfo(np.int32).max):
+        raise ValueError("pages: page numbers must fit in int32")
+    return pages.astype("<i4").tobytes()
+
+
+def blob_pages(blob: bytes) -> np.ndarray:
+    """The inverse of pages_blob, strict about the length."""
+    if len(blob) % 4:
+        raise ValueError(f"page list: {len(blob)} bytes is not a whole number of int32")
+    return np.frombuffer(blob, dtype="<i4").astype(np.int64)
 
 
 class ControlLoop:

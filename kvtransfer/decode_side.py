@@ -148,7 +148,7 @@ class DecodeSide:
                 # One-sided chunks (nbytes None) are already in place: building the views
                 # would cost ~10 us per descriptor for nothing.
                 write([] if nbytes is None else
-                      [self.pool[d.dst_page:d.dst_page + d.num_pages] for d in header.descs])
+                      [self.pool[d:d + n] for _, d, n, _ in header.descs.tolist()])
                 complete = r.mark_arrived(header)
         if err is not None:
             r.abort(f"rejected chunk {header.seq}: {err}")
@@ -182,9 +182,9 @@ class DecodeSide:
                                        "transports": self._transports})
         return peer
 
-    def _send(self, peer: _PrefillPeer, kind: bytes, body: dict[str, Any]) -> None:
+    def _send(self, peer: _PrefillPeer, kind: bytes, body: dict[str, Any], *blobs: bytes) -> None:
         try:
-            peer.sock.send_multipart(C.pack(kind, body), zmq.NOBLOCK)
+            peer.sock.send_multipart(C.pack(kind, body, *blobs), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # queue full or closed: heartbeats decide
 
@@ -196,12 +196,12 @@ class DecodeSide:
     def _send_register(self, peer: _PrefillPeer, r: KVReceiver) -> None:
         if r.state.done or r.aux_slot < 0:
             return
-        self._send(peer, C.REGISTER, {"room": r.room, "dst_pages": r.dst_pages,
-                                      "aux_slot": r.aux_slot})
+        self._send(peer, C.REGISTER, {"room": r.room, "aux_slot": r.aux_slot},
+                   C.pages_blob(r.dst_pages))
         r.state.advance(KVPoll.WaitingForInput)
 
     def _on_message(self, peer: _PrefillPeer, frames: list[bytes]) -> None:
-        kind, body = C.unpack(frames)
+        kind, body, blobs = C.unpack(frames)
         peer.last_seen = time.monotonic()
         if kind == C.HELLO_OK:
             peer.backend = str(body["backend"])
@@ -229,13 +229,10 @@ class DecodeSide:
                     r = self._receivers.get(int(room))
                     if r is not None:
                         r.queued_at_peer = now
-        elif kind == C.NOTIFY:
-            header = ChunkHeader.from_bytes(str(body["header"]).encode())
-            if body.get("done"):
-                eng = next((e for e in self.engines if e.name == peer.backend), None)
-                if eng is not None:
-                    eng.wait_completion(body["done"])
-            self.place_chunk(peer.addr, header, None, lambda views: None)
+        elif kind == C.NOTIFY:  # one-sided engines without their own notification channel
+            eng = next((e for e in self.engines if e.name == peer.backend), None)
+            if eng is not None and eng.one_sided and blobs:
+                eng.deliver(blobs[0], blobs[1] if len(blobs) > 1 else b"")
 
     def _drop_peer(self, peer: _PrefillPeer, reason: str) -> None:
         self._peers.pop(peer.addr, None)

@@ -3,66 +3,104 @@
 With the page-major pool one page of all layers is one contiguous region, so a run of pages
 consecutive in the source pool and in the destination pool is one contiguous byte range on each
 side: one descriptor, one copy or one message.
+
+A chunk's descriptors are one int64 array of shape `[n, 4]`, a row per run:
+`(src_page, dst_page, num_pages, pos)`, where `pos` is the index of the run's first page within
+the request. Arrays, not objects: a scattered 4096-token request has hundreds of runs, and the
+control path builds, encodes, validates and counts them once per chunk.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+SRC, DST, NUM, POS = range(4)  # columns
 
 
-@dataclass(frozen=True)
-class Descriptor:
-    src_page: int  # first page in the sender's pool
-    dst_page: int  # first page in the receiver's pool
-    num_pages: int
-    pos: int  # index of the first page within the request (0 = the request's first page)
-
-    def to_list(self) -> list[int]:
-        return [self.src_page, self.dst_page, self.num_pages, self.pos]
-
-    @classmethod
-    def from_list(cls, v: Sequence[int]) -> Descriptor:
-        if len(v) != 4:
-            raise ValueError(f"descriptor: expected 4 ints, got {list(v)!r}")
-        return cls(int(v[0]), int(v[1]), int(v[2]), int(v[3]))
+def as_pages(pages: Sequence[int] | np.ndarray | Any) -> np.ndarray:
+    """A page list (list, numpy array or torch tensor) as a 1-D int64 array."""
+    if hasattr(pages, "cpu"):  # a torch tensor, maybe on a GPU
+        pages = pages.cpu().numpy()
+    return np.asarray(pages, dtype=np.int64).reshape(-1)
 
 
-def merge_runs(src_pages: Sequence[int], dst_pages: Sequence[int], pos: int = 0,
-               max_pages: int | None = None) -> list[Descriptor]:
+def descs(rows: Sequence[Sequence[int]]) -> np.ndarray:
+    """A descriptor array from rows of (src_page, dst_page, num_pages, pos)."""
+    out = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+    return np.ascontiguousarray(out)
+
+
+def merge_runs(src_pages: Sequence[int] | np.ndarray, dst_pages: Sequence[int] | np.ndarray,
+               pos: int = 0, max_pages: int | None = None) -> np.ndarray:
     """Merge page pairs into descriptors; a run breaks where either side stops being consecutive
     (or reaches `max_pages`, to bound one message's size)."""
-    if len(src_pages) != len(dst_pages):
-        raise ValueError(f"dst_pages: {len(dst_pages)} pages for {len(src_pages)} source pages")
-    out: list[Descriptor] = []
-    i, n = 0, len(src_pages)
-    while i < n:
-        j = i + 1
-        while (j < n and src_pages[j] == src_pages[j - 1] + 1
-               and dst_pages[j] == dst_pages[j - 1] + 1
-               and (max_pages is None or j - i < max_pages)):
-            j += 1
-        out.append(Descriptor(int(src_pages[i]), int(dst_pages[i]), j - i, pos + i))
-        i = j
-    return out
+    src, dst = as_pages(src_pages), as_pages(dst_pages)
+    if len(src) != len(dst):
+        raise ValueError(f"dst_pages: {len(dst)} pages for {len(src)} source pages")
+    n = len(src)
+    if n == 0:
+        return np.empty((0, 4), dtype=np.int64)
+    brk = np.ones(n, dtype=bool)
+    brk[1:] = (src[1:] != src[:-1] + 1) | (dst[1:] != dst[:-1] + 1)
+    starts = np.flatnonzero(brk)
+    lens = np.diff(np.append(starts, n))
+    if max_pages is not None and int(lens.max()) > max_pages:
+        # Split long runs into pieces of max_pages (the last one shorter).
+        pieces = -(-lens // max_pages)
+        run = np.repeat(np.arange(len(starts)), pieces)
+        k = np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        starts, lens = starts[run] + k * max_pages, np.minimum(max_pages, lens[run] - k * max_pages)
+    return np.stack([src[starts], dst[starts], lens, starts + pos], axis=1)
 
 
-def validate_dst(descs: Sequence[Descriptor], registered: Sequence[int], num_pool_pages: int,
-                 ) -> str | None:
+def run_pages(d: np.ndarray, col: int) -> np.ndarray:
+    """Every page the descriptors cover, row by row, as numbered by column `col`: SRC (pages of
+    the sender's pool), DST (the receiver's) or POS (positions within the request)."""
+    num = d[:, NUM]
+    offs = np.arange(int(num.sum())) - np.repeat(np.cumsum(num) - num, num)
+    return np.repeat(d[:, col], num) + offs
+
+
+def validate_dst(d: np.ndarray, registered: np.ndarray, num_pool_pages: int) -> str | None:
     """None when every descriptor writes exactly the pages registered at its positions, else why.
 
     The receiver's guard: a destination outside the room's registered pages (or page 0, or past
-    the pool) is never written.
+    the pool) is never written. `registered` is the room's destination pages (int64 array).
     """
-    for d in descs:
-        if d.num_pages <= 0:
-            return f"descriptor at pos {d.pos}: num_pages {d.num_pages} <= 0"
-        if d.pos < 0 or d.pos + d.num_pages > len(registered):
-            return (f"descriptor pages [{d.pos}, {d.pos + d.num_pages}) outside the "
-                    f"{len(registered)} pages registered for the room")
-        if d.dst_page <= 0 or d.dst_page + d.num_pages > num_pool_pages:
-            return f"destination page {d.dst_page}+{d.num_pages} outside pool [1, {num_pool_pages})"
-        want = registered[d.pos:d.pos + d.num_pages]
-        if any(w != d.dst_page + k for k, w in enumerate(want)):
-            return f"destination pages {d.dst_page}+{d.num_pages} not registered at pos {d.pos}"
+    if d.ndim != 2 or d.shape[1] != 4:
+        return f"descriptors: shape {tuple(d.shape)}, expected [n, 4]"
+    dst, num, pos = d[:, DST], d[:, NUM], d[:, POS]
+    n_reg = len(registered)
+    for bad, why in (
+            (num <= 0, "num_pages <= 0"),
+            ((pos < 0) | (pos + num > n_reg), f"outside the {n_reg} pages registered for the room"),
+            ((dst <= 0) | (dst + num > num_pool_pages), f"outside pool [1, {num_pool_pages})")):
+        if bad.any():
+            i = int(np.argmax(bad))
+            return (f"descriptor {i} (destination page {dst[i]}+{num[i]} at pos {pos[i]}): "
+                    f"{why}")
+    total = int(num.sum())
+    if total > n_reg:
+        return f"descriptors cover {total} pages, the room registered {n_reg}"
+    wrong = registered[run_pages(d, POS)] != run_pages(d, DST)
+    if wrong.any():
+        i = int(np.repeat(np.arange(len(d)), num)[int(np.argmax(wrong))])
+        return (f"descriptor {i}: destination pages {dst[i]}+{num[i]} not registered at pos "
+                f"{pos[i]}")
     return None
+
+
+def coalesce(d: np.ndarray) -> np.ndarray:
+    """`[k, 3]` rows of (src_page, dst_page, num_pages): the descriptors with neighbours that
+    continue on both sides merged again (merge_runs caps runs for messages; a copy needs no cap).
+    """
+    if len(d) == 0:
+        return np.empty((0, 3), dtype=np.int64)
+    src, dst, num = d[:, SRC], d[:, DST], d[:, NUM]
+    brk = np.ones(len(d), dtype=bool)
+    brk[1:] = (src[1:] != src[:-1] + num[:-1]) | (dst[1:] != dst[:-1] + num[:-1])
+    starts = np.flatnonzero(brk)
+    return np.stack([src[starts], dst[starts], np.add.reduceat(num, starts)], axis=1)

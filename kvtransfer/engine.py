@@ -5,43 +5,21 @@ A sender calls `write()` from its single transfer thread; a receiver calls `star
 once and is told about chunks through a ReceiveHandler, which validates every header before a
 byte is placed (rejected data is never written). Backends that write one-sided (shm, cuda_ipc)
 cannot be refused by the receiver: the sender validates against the registration instead and the
-header follows over the control channel (`one_sided = True`).
+header follows (`one_sided = True`): straight from the transfer thread when the engine has a
+same-host channel to the receiver (`notify()`), else over the control channel.
 """
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from pdserve.kvtransfer.aux import AuxData
-from pdserve.kvtransfer.descriptors import Descriptor
+from pdserve.kvtransfer.chunk_header import ChunkHeader
 
-
-@dataclass(frozen=True)
-class ChunkHeader:
-    room: int
-    seq: int  # chunk number within the room
-    descs: tuple[Descriptor, ...]
-    last: bool
-    aux: AuxData | None
-
-    def to_bytes(self) -> bytes:
-        return json.dumps({
-            "room": self.room, "seq": self.seq, "descs": [d.to_list() for d in self.descs],
-            "last": self.last, "aux": self.aux.to_dict() if self.aux else None,
-        }).encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes) -> ChunkHeader:
-        d = json.loads(raw)
-        return cls(int(d["room"]), int(d["seq"]),
-                   tuple(Descriptor.from_list(x) for x in d["descs"]), bool(d["last"]),
-                   AuxData.from_dict(d["aux"]) if d.get("aux") else None)
+__all__ = ["ChunkHeader", "ReceiveHandler", "TransferEngine"]
 
 
 class ReceiveHandler(Protocol):
@@ -90,16 +68,26 @@ class TransferEngine(ABC):
         """Move the header's descriptors from the local "kv" region into the peer's pool.
         Blocks until the local pages may be reused; raises on failure."""
 
-    def completion(self) -> dict[str, Any]:
+    def completion(self) -> bytes:
         """One-sided engines whose write() returns before the bytes land: what the receiver
-        needs to wait for them (sent with the chunk's NOTIFY). Empty: already complete."""
-        return {}
+        needs to wait for them (sent with the chunk's notification). Empty: already complete."""
+        return b""
+
+    def notify(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> bool:
+        """One-sided engines: tell the receiver that `header`'s pages were written, from the
+        calling (transfer) thread. False when there is no direct channel to this peer: the
+        manager then sends the header over the control channel. Raises on a broken channel."""
+        return False
 
     def quiesce(self) -> None:
         """Block until no write is in flight (a room is being failed: its pages may be reused
         by their owners as soon as this returns). Any thread."""
 
-    def wait_completion(self, token: dict[str, Any]) -> None:
+    def deliver(self, header: bytes, token: bytes) -> None:
+        """Receiver side of a one-sided engine: a chunk notification arrived (over the control
+        channel or the engine's own); wait for its writes to land, then count it."""
+
+    def wait_completion(self, token: bytes) -> None:
         """Receiver side: block until the writes a `completion()` token covers have landed."""
 
     def drop_peer(self, peer: str) -> None:

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: binary chunk headers and page lists
 LAYOUT = "page-major"  # [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
 
 

@@ -59,7 +59,8 @@ class KVManager:
             try:
                 for name in _decode_backends(config, pool, shm is not None):
                     engines.append(make_engine(name, host=config.bootstrap_host, shm_pool=shm,
-                                               send_timeout_s=config.transfer_timeout_s))
+                                               send_timeout_s=config.transfer_timeout_s,
+                                               ipc_copy=config.ipc_copy))
                 self._decode = DecodeSide(pool, config, self.fingerprint, engines)
             except Exception:
                 for e in engines:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdserve.kvtransfer.aux import AuxData
@@ -69,12 +70,31 @@ def make_pool(spec: PoolSpec) -> tuple[torch.Tensor, ShmPoolBuffer | None]:
 
 
 def page_checksum(pool: torch.Tensor, pages: list[int]) -> int:
-    """Order-sensitive checksum of the given pages' bytes."""
+    """Order-sensitive checksum of the given pages' bytes (per page, the sum of its int16
+    words)."""
+    words = pool.reshape(pool.shape[0], -1).view(torch.int16)
+    if pool.device.type == "cpu":  # numpy sums in place; torch would widen a copy first
+        flat = words.numpy()
+        sums = [int(flat[p].sum(dtype=np.int64)) for p in pages]
+    else:
+        idx = torch.as_tensor(pages, dtype=torch.int64, device=pool.device)
+        sums = words[idx].to(torch.int64).sum(dim=1).tolist()
     total = 0
-    for k, p in enumerate(pages):
-        words = pool[p].reshape(-1).view(torch.int16).to(torch.int64)
-        total = (total * 1000003 + int(words.sum()) + k) % (1 << 61)
+    for k, s in enumerate(sums):
+        total = (total * 1000003 + s + k) % (1 << 61)
     return total
+
+
+def wait_for(room: Any, target: KVPoll, timeout_s: float = 10.0) -> KVPoll:
+    """Poll a KVSender or KVReceiver until it reaches `target` (or Failed) or the timeout
+    passes; returns the status it has then."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        st = room.poll()
+        if st == KVPoll.Failed or st >= target:
+            return st
+        time.sleep(0.001)
+    return room.poll()
 
 
 def _serve(conn: Connection, role: str, spec: PoolSpec, cfg: dict[str, Any]) -> None:
@@ -115,10 +135,7 @@ def _op(mgr: KVManager, rooms: dict[int, Any], pool: torch.Tensor, op: str,
         return int(r.poll()), r.failure_reason
     elif op == "wait":  # until status >= target or Failed, or timeout
         room, target, timeout = args
-        r, t0 = rooms[room], time.monotonic()
-        while r.poll() != KVPoll.Failed and r.poll() < target and time.monotonic() - t0 < timeout:
-            time.sleep(0.001)
-        return int(r.poll()), r.failure_reason
+        return int(wait_for(rooms[room], KVPoll(target), timeout)), rooms[room].failure_reason
     elif op == "abort":
         rooms[args[0]].abort(args[1])
     elif op == "aux":

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
@@ -50,7 +51,7 @@ class PrefillSide:
         self.fingerprint = fingerprint
         self._lock = threading.Lock()  # guards _senders, _pending, _tombstones
         self._senders: dict[int, KVSender] = {}
-        self._pending: dict[int, tuple[bytes, list[int], int, float]] = {}
+        self._pending: dict[int, tuple[bytes, np.ndarray, int, float]] = {}
         self._tombstones: dict[int, float] = {}
         self._peers: dict[bytes, _DecodePeer] = {}  # control loop only
         self._engines: dict[str, TransferEngine] = {}  # transfer thread only (then close())
@@ -113,11 +114,15 @@ class PrefillSide:
         self._xfer.join(timeout=10)
 
     # -- control loop ---------------------------------------------------------------------
-    def _send(self, ident: bytes, kind: bytes, body: dict[str, Any]) -> None:
+    def _send(self, ident: bytes, kind: bytes, body: dict[str, Any], *blobs: bytes) -> None:
         try:
-            self._router.send_multipart([ident, *C.pack(kind, body)], zmq.NOBLOCK)
+            self._router.send_multipart([ident, *C.pack(kind, body, *blobs)], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # peer gone; heartbeats will fail its rooms
+
+    def _notify_via_control(self, ident: bytes, blobs: tuple[bytes, ...]) -> None:
+        """A one-sided chunk's NOTIFY, sent by the control loop (the ROUTER's owner)."""
+        self.loop.call(lambda: self._send(ident, C.NOTIFY, {}, *blobs))
 
     def _release(self, room: int) -> None:
         with self._lock:
@@ -134,7 +139,7 @@ class PrefillSide:
         if reg is not None:
             self._attach(sender, *reg[:3])
 
-    def _attach(self, sender: KVSender, ident: bytes, dst_pages: list[int], slot: int) -> None:
+    def _attach(self, sender: KVSender, ident: bytes, dst_pages: np.ndarray, slot: int) -> None:
         peer = self._peers.get(ident)
         if peer is None:
             sender.state.fail("decode peer vanished before registration")
@@ -146,7 +151,7 @@ class PrefillSide:
         sender.state.advance(KVPoll.WaitingForInput)
 
     def _on_message(self, frames: list[bytes]) -> None:
-        ident, kind, body = frames[0], *C.unpack(frames[1:])
+        ident, (kind, body, blobs) = frames[0], C.unpack(frames[1:])
         now = time.monotonic()
         peer = self._peers.get(ident)
         if peer is not None:
@@ -164,8 +169,8 @@ class PrefillSide:
                          if s.peer == ident and not s.state.done]
             self._send(ident, C.PONG, {"rooms": rooms})
         elif kind == C.REGISTER:
-            room, pages, slot = int(body["room"]), [int(p) for p in body["dst_pages"]], int(
-                body["aux_slot"])
+            room, slot = int(body["room"]), int(body["aux_slot"])
+            pages = C.blob_pages(blobs[0] if blobs else b"")
             with self._lock:
                 sender = self._senders.get(room)
                 dead = room in self._tombstones
@@ -261,7 +266,8 @@ class PrefillSide:
         eng = self._engines.get(name)
         if eng is None:
             eng = make_engine(name, host=self.config.bootstrap_host,
-                              send_timeout_s=self.config.transfer_timeout_s)
+                              send_timeout_s=self.config.transfer_timeout_s,
+                              ipc_copy=self.config.ipc_copy)
             eng.register("kv", self.pool)
             self._engines[name] = eng
         return eng
@@ -276,16 +282,19 @@ class PrefillSide:
                     eng.drop_peer(job.hex())
                 continue
             sender, header = job
+            ident = sender.peer
+            if ident is None:  # send() refuses rooms decode has not registered
+                continue
             try:
                 eng = self._engine(sender.backend)
                 with sender.write_lock:
                     if sender.state.done:
                         continue
-                    eng.write(sender.peer.hex(), sender.peer_info, header)  # type: ignore
-                if eng.one_sided:
-                    body = {"header": header.to_bytes().decode(), "done": eng.completion()}
-                    peer = sender.peer
-                    self.loop.call(lambda p=peer, b=body: self._send(p, C.NOTIFY, b))  # type: ignore
+                    eng.write(ident.hex(), sender.peer_info, header)
+                # One-sided: the pages are written; tell decode straight from this thread when
+                # the engine can, else over the control channel.
+                if eng.one_sided and not eng.notify(ident.hex(), sender.peer_info, header):
+                    self._notify_via_control(ident, (header.to_bytes(), eng.completion()))
             except Exception as e:  # noqa: BLE001 - any transport error fails the room
                 log.warning("room %d: transfer failed: %s", sender.room, e)
                 sender.abort(f"transfer failed: {e}")

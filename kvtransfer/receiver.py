@@ -10,10 +10,12 @@ receiver holds one aux slot from init() until the room ends, and frees it itself
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from pdserve.kvtransfer.aux import AuxData
-from pdserve.kvtransfer.descriptors import validate_dst
+from pdserve.kvtransfer.descriptors import NUM, POS, as_pages, run_pages, validate_dst
 from pdserve.kvtransfer.engine import ChunkHeader
 from pdserve.kvtransfer.poll import KVPoll, RoomState
 
@@ -27,11 +29,11 @@ class KVReceiver:
         self.bootstrap_addr = bootstrap_addr
         self.state = RoomState(room)
         self._side = side
-        self.dst_pages: list[int] = []
+        self.dst_pages = np.empty(0, dtype=np.int64)
         self.aux_slot = -1
         self._aux: AuxData | None = None
         self.lock = threading.RLock()  # placement, arrival bookkeeping and failure
-        self._arrived = bytearray()
+        self._arrived = np.zeros(0, dtype=bool)
         self._num_arrived = 0
         self._have_aux = False
         # Last heartbeat in which prefill listed this room as still queued (monotonic s).
@@ -50,19 +52,21 @@ class KVReceiver:
         """The aux data; set once poll() is Success."""
         return self._aux
 
-    def init(self, dst_pages: list[int]) -> None:
-        """Register the destination pages (decode allocated ceil(prompt_len / page_size))."""
-        if self.dst_pages or self.state.done:
+    def init(self, dst_pages: list[int] | Any) -> None:
+        """Register the destination pages (decode allocated ceil(prompt_len / page_size));
+        a list, numpy array or tensor."""
+        if len(self.dst_pages) or self.state.done:
             return
-        dst_pages = [int(p) for p in dst_pages]  # a list, a tensor or an array
-        bad = [p for p in dst_pages if p <= 0 or p >= self._side.num_pool_pages]
-        if bad or len(set(dst_pages)) != len(dst_pages):
+        dst_pages = as_pages(dst_pages)
+        n = len(dst_pages)
+        if n and (dst_pages.min() <= 0 or dst_pages.max() >= self._side.num_pool_pages
+                  or len(np.unique(dst_pages)) != n):
             reason = f"dst_pages: outside pool [1, {self._side.num_pool_pages}) or repeated"
             self.abort(reason)
             raise ValueError(f"room {self.room}: {reason}")
         with self.lock:
             self.dst_pages = dst_pages
-            self._arrived = bytearray(len(dst_pages))
+            self._arrived = np.zeros(n, dtype=bool)
         self._side.register(self)
 
     def abort(self, reason: str = "aborted by decode") -> None:
@@ -79,9 +83,9 @@ class KVReceiver:
         if nbytes is not None:
             if len(nbytes) != len(header.descs):
                 return f"{len(nbytes)} payloads for {len(header.descs)} descriptors"
-            for d, n in zip(header.descs, nbytes):
-                if n != d.num_pages * page_bytes:
-                    return f"size {n} bytes != {d.num_pages} pages x {page_bytes} bytes"
+            for num, n in zip(header.descs[:, NUM].tolist(), nbytes):
+                if n != num * page_bytes:
+                    return f"size {n} bytes != {num} pages x {page_bytes} bytes"
         if header.last and header.aux is None:
             return "last chunk without aux data"
         return None
@@ -89,11 +93,8 @@ class KVReceiver:
     def mark_arrived(self, header: ChunkHeader) -> bool:
         """Record a placed chunk; True when every page and the aux data are here."""
         with self.lock:
-            for d in header.descs:
-                for pos in range(d.pos, d.pos + d.num_pages):
-                    if not self._arrived[pos]:
-                        self._arrived[pos] = 1
-                        self._num_arrived += 1
+            self._arrived[run_pages(header.descs, POS)] = True
+            self._num_arrived = int(np.count_nonzero(self._arrived))  # repeats count once
             if header.last and header.aux is not None:
                 self._side.aux_slots.write(self.aux_slot, self.room, header.aux)
                 self._have_aux = True

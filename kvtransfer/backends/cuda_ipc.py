@@ -1,11 +1,17 @@
 """`cuda_ipc` backend: same-host GPU pairs; the sender writes one-sided into the receiver's pool
-through a CUDA IPC mapping (NVLink / PCIe peer copy), one copy per descriptor on a side stream.
+through a CUDA IPC mapping (NVLink / PCIe peer access), on side streams.
+
+How pages move (TransferConfig.ipc_copy): a chunk of a few runs is one peer copy per run;
+scattered pages go through one Triton kernel that stores every page straight into the peer's
+pool ("auto", "triton"; kernels/page_p2p_copy.py), or gather -> one peer copy -> scatter
+("staged", and wherever Triton does not import). "triton" uses the kernel for every chunk, to
+compare it with plain peer copies.
 
 The receiver shares its pool's IPC handle at handshake (torch's CUDA tensor reduction); the
 sender maps it once per peer. As with shm, the sender validates destinations (the manager does)
-and the chunk header follows over the control channel; write() only issues the copies and the
-header carries an IPC event that the receiver waits on before it counts the pages, so the
-control path overlaps the copy.
+and the chunk header follows over the notification socket (same_host.py); write() only issues
+the copies and the notification carries an IPC event that the receiver waits on before it
+counts the pages, so the control path overlaps the copy.
 Ownership: the receiver's pool must outlive every peer mapping; the manager's abort handshake
 guarantees no copy is in flight when decode reuses a failed room's pages.
 """
@@ -16,28 +22,31 @@ import base64
 import ctypes
 import logging
 import pickle
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from pdserve.kvtransfer.descriptors import Descriptor
-from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
+from pdserve.kvtransfer.backends.same_host import SameHostEngine
+from pdserve.kvtransfer.config import IPC_COPIES
+from pdserve.kvtransfer.descriptors import DST, SRC, run_pages
+from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler
 
 log = logging.getLogger("pdserve.kvtransfer")
-_DIRECT_MAX_DESCS = 8  # up to this many runs: one peer copy each, no staging
-_STAGING_PAGES = 256  # pages per gather / peer copy / scatter piece
+_DIRECT_MAX_DESCS = 8  # up to this many runs: one peer copy each (no kernel, no staging)
+_STAGING_PAGES = 256  # pages per gather / peer copy / scatter piece (ipc_copy="staged")
 
 
-def _coalesce(descs: tuple[Descriptor, ...]) -> list[tuple[int, int, int]]:
-    runs: list[tuple[int, int, int]] = []
-    for d in descs:
-        if runs and runs[-1][0] + runs[-1][2] == d.src_page and (
-                runs[-1][1] + runs[-1][2] == d.dst_page):
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + d.num_pages)
-        else:
-            runs.append((d.src_page, d.dst_page, d.num_pages))
-    return runs
+def _p2p_kernel() -> Callable[..., None] | None:
+    """kernels.page_p2p_copy.copy_pages, or None where Triton does not import."""
+    try:
+        from pdserve.kernels.page_p2p_copy import copy_pages
+    except ImportError as e:
+        log.warning("cuda_ipc: Triton page copy unavailable (%s); staged copies", e)
+        return None
+    return copy_pages
 
 
 def enable_peer_access(a: int, b: int) -> None:
@@ -68,16 +77,20 @@ def enable_peer_access(a: int, b: int) -> None:
         torch.cuda.set_device(current)
 
 
-class CudaIpcEngine(TransferEngine):
+class CudaIpcEngine(SameHostEngine):
     name = "cuda_ipc"
-    one_sided = True
 
-    def __init__(self, **_: Any) -> None:
-        super().__init__()
+    def __init__(self, ipc_copy: str = "auto", send_timeout_s: float = 30.0, **_: Any) -> None:
+        super().__init__(send_timeout_s)
+        if ipc_copy not in IPC_COPIES:
+            raise ValueError(f"ipc_copy: {ipc_copy!r} is not one of {IPC_COPIES}")
+        self.ipc_copy = ipc_copy
+        self._kernel: Callable[..., None] | None = None  # loaded by the first write()
         self._peers: dict[str, torch.Tensor] = {}  # sender: mapped peer pools (not owned)
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self._stage: tuple[torch.Tensor, torch.Tensor] | None = None  # src-GPU, dst-GPU
         self._event: torch.cuda.Event | None = None  # sender: last chunk's copies done
+        self._event_handle = b""  # its IPC handle, sent with every chunk
         self._peer_events: dict[bytes, torch.cuda.Event] = {}  # receiver: opened handles
 
     def start_receiver(self, handler: ReceiveHandler) -> dict[str, Any]:
@@ -87,7 +100,7 @@ class CudaIpcEngine(TransferEngine):
         rebuild, args = reduce_tensor(pool)
         blob = base64.b64encode(pickle.dumps((rebuild, args))).decode()
         return {"handle": blob, "device_uuid": str(torch.cuda.get_device_properties(
-            pool.device).uuid)}
+            pool.device).uuid), **self._listen(handler)}
 
     def _map(self, peer: str, info: dict[str, Any]) -> torch.Tensor:
         dst = self._peers.get(peer)
@@ -102,12 +115,7 @@ class CudaIpcEngine(TransferEngine):
     def write(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> None:
         src = self.region("kv")
         dst = self._map(peer, peer_info)
-        if tuple(dst.shape[1:]) != tuple(src.shape[1:]) or dst.dtype != src.dtype:
-            raise ValueError(f"peer {peer} pool pages {tuple(dst.shape[1:])} {dst.dtype} != "
-                             f"local {tuple(src.shape[1:])} {src.dtype}")
-        for d in header.descs:
-            if d.dst_page <= 0 or d.dst_page + d.num_pages > dst.shape[0]:
-                raise ValueError(f"destination page {d.dst_page}+{d.num_pages} outside pool")
+        runs = self._runs(peer, src, dst, header)
         if self._streams is None:
             self._streams = (torch.cuda.Stream(device=src.device),
                              torch.cuda.Stream(device=dst.device))
@@ -116,56 +124,78 @@ class CudaIpcEngine(TransferEngine):
             self._event = torch.cuda.Event(interprocess=True)
         s_src, s_dst = self._streams
         s_src.wait_stream(torch.cuda.current_stream(src.device))  # pages written by prefill
-        runs = _coalesce(header.descs)  # undo the message-size cap: one copy per real run
-        if len(runs) <= _DIRECT_MAX_DESCS:
+        few = len(runs) <= _DIRECT_MAX_DESCS
+        copied = ((self.ipc_copy == "triton" or (self.ipc_copy == "auto" and not few))
+                  and self._kernel_copy(src, dst, header, s_src))
+        if not copied and few:
             with torch.cuda.stream(s_src):
-                for sp, dp, n in runs:
+                for sp, dp, n in runs.tolist():
                     dst[dp:dp + n].copy_(src[sp:sp + n], non_blocking=True)
-            s_dst.wait_stream(s_src)
-        else:
-            # Scattered pages: gather on the source GPU, one peer copy, scatter on the
-            # destination GPU: three kernels per piece instead of one copy per descriptor.
-            self._staged_copy(src, dst, runs, s_src, s_dst)
+        elif not copied:
+            self._staged_copy(src, dst, header, s_src, s_dst)
+        s_dst.wait_stream(s_src)
         event = self._event
         if event is None:
             raise RuntimeError("cuda_ipc: completion event missing")
         with torch.cuda.device(dst.device):
             event.record(s_dst)
 
-    def _staged_copy(self, src: torch.Tensor, dst: torch.Tensor,
-                     runs: list[tuple[int, int, int]], s_src: torch.cuda.Stream,
-                     s_dst: torch.cuda.Stream) -> None:
-        src_pages = [sp + k for sp, _, n in runs for k in range(n)]
-        dst_pages = [dp + k for _, dp, n in runs for k in range(n)]
+    def _kernel_copy(self, src: torch.Tensor, dst: torch.Tensor, header: ChunkHeader,
+                     s_src: torch.cuda.Stream) -> bool:
+        """One launch on the source GPU: local pages stored straight into the peer's. False
+        (and staged copies from then on) where Triton does not import or refuses the launch."""
+        if self._kernel is None:
+            self._kernel = _p2p_kernel()
+            if self._kernel is None:
+                self.ipc_copy = "staged"
+                return False
+        pages = np.stack([run_pages(header.descs, SRC), run_pages(header.descs, DST)])
+        try:
+            with torch.cuda.stream(s_src):
+                idx = torch.from_numpy(pages).to(src.device, non_blocking=True)
+                self._kernel(src, dst, idx[0], idx[1])
+        except (RuntimeError, ValueError) as e:  # e.g. a launcher refusing the peer pointer
+            log.warning("cuda_ipc: Triton page copy failed (%s); staged copies from now on", e)
+            self._kernel, self.ipc_copy = None, "staged"
+            return False
+        return True
+
+    def _staged_copy(self, src: torch.Tensor, dst: torch.Tensor, header: ChunkHeader,
+                     s_src: torch.cuda.Stream, s_dst: torch.cuda.Stream) -> None:
+        """Scattered pages: gather on the source GPU, one peer copy, scatter on the
+        destination GPU: three kernels per piece instead of one copy per descriptor."""
+        src_pages = torch.from_numpy(run_pages(header.descs, SRC))
+        dst_pages = torch.from_numpy(run_pages(header.descs, DST))
         piece = _STAGING_PAGES
         for lo in range(0, len(src_pages), piece):
             n = min(piece, len(src_pages) - lo)
             stage_src, stage_dst = self._staging(src, dst, min(piece, len(src_pages)))
             with torch.cuda.stream(s_src):
-                idx = torch.tensor(src_pages[lo:lo + n], device=src.device)
+                idx = src_pages[lo:lo + n].to(src.device, non_blocking=True)
                 torch.index_select(src, 0, idx, out=stage_src[:n])
             s_dst.wait_stream(s_src)
             with torch.cuda.stream(s_dst):
                 stage_dst[:n].copy_(stage_src[:n], non_blocking=True)
-                jdx = torch.tensor(dst_pages[lo:lo + n], device=dst.device)
+                jdx = dst_pages[lo:lo + n].to(dst.device, non_blocking=True)
                 dst.index_copy_(0, jdx, stage_dst[:n])
             s_src.wait_stream(s_dst)  # the next piece reuses both staging buffers
 
-    def completion(self) -> dict[str, Any]:
+    def completion(self) -> bytes:
         if self._event is None:
-            return {}
-        return {"event": base64.b64encode(bytes(self._event.ipc_handle())).decode()}
+            return b""
+        if not self._event_handle:  # one event for every chunk: its handle never changes
+            self._event_handle = bytes(self._event.ipc_handle())
+        return self._event_handle
 
     def quiesce(self) -> None:
         for stream in self._streams or ():
             stream.synchronize()
 
-    def wait_completion(self, token: dict[str, Any]) -> None:
-        handle = base64.b64decode(token["event"])
-        ev = self._peer_events.get(handle)
+    def wait_completion(self, token: bytes) -> None:
+        ev = self._peer_events.get(token)
         if ev is None:
-            ev = torch.cuda.Event.from_ipc_handle(self.region("kv").device, handle)
-            self._peer_events[handle] = ev
+            ev = torch.cuda.Event.from_ipc_handle(self.region("kv").device, token)
+            self._peer_events[token] = ev
         ev.synchronize()
 
     def _staging(self, src: torch.Tensor, dst: torch.Tensor,
@@ -177,6 +207,7 @@ class CudaIpcEngine(TransferEngine):
         return self._stage
 
     def drop_peer(self, peer: str) -> None:
+        super().drop_peer(peer)
         self._peers.pop(peer, None)
 
     def close(self) -> None:

@@ -1,7 +1,13 @@
 """`shm` backend: same-host pairs write one-sided into the receiver's pool, which lives in a
-shared-memory segment (the host twin of the CUDA IPC path). One memcpy per descriptor; no
-socket carries page bytes. The sender validates destinations against the room's registration
-(the manager does, before write()), and the chunk header follows over the control channel.
+shared-memory segment (the host twin of the CUDA IPC path). No socket carries page bytes: the
+sender validates destinations against the room's registration (the manager does, before
+write()), copies, and sends the chunk header over the notification socket (same_host.py).
+
+The copy: runs of pages consecutive on both sides become one memcpy each (numpy, GIL released),
+split over two threads: the transfer thread and one worker. On the 2-core CI VM two threads
+were as fast as one while another job held both cores and clearly faster when the cores were
+free (a 94 MB request of scattered pages in 8 ms instead of ~11); more threads than two gained
+nothing (docs/performance.md, KV transfer).
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
+from pdserve.kvtransfer.backends.same_host import SameHostEngine
+from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler
 from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
 
 
@@ -28,22 +35,38 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _copy_all(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    for dst, src in copies:
-        np.copyto(dst, src)
+def _copy_runs(dst: np.ndarray, src: np.ndarray, runs: list[list[int]]) -> None:
+    for s, d, n in runs:
+        np.copyto(dst[d:d + n], src[s:s + n])
 
 
-class ShmEngine(TransferEngine):
+def split_runs(runs: list[list[int]], parts: int) -> list[list[list[int]]]:
+    """Cut runs (src, dst, num) into `parts` lists of about equal page counts."""
+    total = sum(n for _, _, n in runs)
+    share = -(-total // parts)
+    out: list[list[list[int]]] = [[]]
+    room = share
+    for s, d, n in runs:
+        while n > 0:
+            take = min(n, room)
+            out[-1].append([s, d, take])
+            s, d, n, room = s + take, d + take, n - take, room - take
+            if room == 0 and len(out) < parts:
+                out.append([])
+                room = share
+    return [p for p in out if p]
+
+
+class ShmEngine(SameHostEngine):
     name = "shm"
-    one_sided = True
 
-    def __init__(self, shm_pool: ShmPoolBuffer | None = None, copy_threads: int = 2,
-                 **_: Any) -> None:
-        super().__init__()
+    def __init__(self, shm_pool: ShmPoolBuffer | None = None, copy_threads: int = 0,
+                 send_timeout_s: float = 30.0, **_: Any) -> None:
+        super().__init__(send_timeout_s)
         self._shm_pool = shm_pool  # receiver: our pool's segment (owned by the caller)
         self._peers: dict[str, ShmPoolBuffer] = {}  # sender: peers' pools, attached (not owned)
-        self._threads = max(1, min(copy_threads, os.cpu_count() or 1))
-        self._pool: ThreadPoolExecutor | None = None  # copy workers (the transfer thread's)
+        self._threads = copy_threads or min(2, os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None  # the other copy workers
 
     @staticmethod
     def usable(peer_info: dict[str, Any]) -> bool:
@@ -56,41 +79,37 @@ class ShmEngine(TransferEngine):
                              "(alloc_shm_pool)")
         pool = self._shm_pool
         return {"name": pool.name, "shape": list(pool.shape),
-                "dtype": str(pool.dtype).removeprefix("torch."), "host": host_id()}
+                "dtype": str(pool.dtype).removeprefix("torch."), "host": host_id(),
+                **self._listen(handler)}
 
     def _attach(self, peer: str, info: dict[str, Any]) -> torch.Tensor:
         buf = self._peers.get(peer)
         if buf is None:
             dtype = getattr(torch, info["dtype"])
             buf = ShmPoolBuffer(tuple(info["shape"]), dtype, name=info["name"], create=False)
+            buf.populate_resident()
             self._peers[peer] = buf
         return buf.tensor
 
     def write(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> None:
         src = self.region("kv")
         dst = self._attach(peer, peer_info)
-        if tuple(dst.shape[1:]) != tuple(src.shape[1:]) or dst.dtype != src.dtype:
-            raise ValueError(f"shm pool of peer {peer}: page shape {tuple(dst.shape[1:])} "
-                             f"{dst.dtype} != local {tuple(src.shape[1:])} {src.dtype}")
-        for d in header.descs:
-            if d.dst_page <= 0 or d.dst_page + d.num_pages > dst.shape[0]:
-                raise ValueError(f"destination page {d.dst_page}+{d.num_pages} outside pool")
-        # numpy's copy is a plain memcpy with the GIL released: ~2x torch's per-call cost on
-        # small runs; two threads keep both memory channels busy on scattered pages.
+        runs = self._runs(peer, src, dst, header)
         src_b = src.view(src.shape[0], -1).view(torch.uint8).numpy()
         dst_b = dst.view(dst.shape[0], -1).view(torch.uint8).numpy()
-        copies = [(dst_b[d.dst_page:d.dst_page + d.num_pages],
-                   src_b[d.src_page:d.src_page + d.num_pages]) for d in header.descs]
-        if self._threads <= 1 or len(copies) < 2:
-            _copy_all(copies)
+        parts = split_runs(runs.tolist(), self._threads) if self._threads > 1 else []
+        if len(parts) <= 1:
+            _copy_runs(dst_b, src_b, runs.tolist())
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kv-shm-copy")
-        parts = [copies[k::self._threads] for k in range(self._threads)]
-        for f in [self._pool.submit(_copy_all, part) for part in parts]:
+            self._pool = ThreadPoolExecutor(self._threads - 1, thread_name_prefix="kv-shm-copy")
+        futures = [self._pool.submit(_copy_runs, dst_b, src_b, p) for p in parts[1:]]
+        _copy_runs(dst_b, src_b, parts[0])  # this thread copies a share too
+        for f in futures:
             f.result()
 
     def drop_peer(self, peer: str) -> None:
+        super().drop_peer(peer)
         buf = self._peers.pop(peer, None)
         if buf is not None:
             buf.close()

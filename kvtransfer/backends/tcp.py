@@ -85,8 +85,8 @@ class TcpEngine(TransferEngine):
             self._dealers[peer] = sock
         pool = self.region("kv")
         frames: list[Any] = [header.to_bytes()]
-        for d in header.descs:
-            src = pool[d.src_page:d.src_page + d.num_pages]
+        for s, _, n, _ in header.descs.tolist():
+            src = pool[s:s + n]
             frames.append(_bytes_view(src if src.device.type == "cpu" else src.cpu()))
         tracker = sock.send_multipart(frames, copy=False, track=True)
         # The pages stay owned by the request until Success, but the caller may reuse them

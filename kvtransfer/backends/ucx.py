@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pdserve.kernels.page_copy import gather_pages, scatter_pages
+from pdserve.kvtransfer.descriptors import DST, NUM, SRC, run_pages
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
 
 log = logging.getLogger("pdserve.kvtransfer")
@@ -72,7 +73,7 @@ class UcxEngine(TransferEngine):
         try:
             while True:
                 header = ChunkHeader.from_bytes(bytes(await ep.recv_obj()))
-                nbytes = [d.num_pages * page_bytes for d in header.descs]
+                nbytes = [n * page_bytes for n in header.descs[:, NUM].tolist()]
                 total = sum(nbytes)
                 if total > max_bytes:
                     raise ValueError(f"chunk of {total} bytes exceeds the pool")
@@ -83,9 +84,8 @@ class UcxEngine(TransferEngine):
 
                 def _write(views: list[torch.Tensor], stage: torch.Tensor = stage,
                            header: ChunkHeader = header) -> None:
-                    pages = [d.dst_page + k for d in header.descs for k in range(d.num_pages)]
-                    del views  # same pages as `pages`, scattered in one pass
-                    scatter_pages(stage, pool, pages)
+                    del views  # the same pages, scattered in one pass
+                    scatter_pages(stage, pool, run_pages(header.descs, DST))
 
                 handler.place_chunk(f"ucx:{id(ep)}", header, nbytes, _write)
         except Exception as e:  # noqa: BLE001 - the peer went away or misbehaved
@@ -102,10 +102,10 @@ class UcxEngine(TransferEngine):
     def write(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> None:
         pool = self.region("kv")
         if len(header.descs) == 1:
-            d = header.descs[0]
-            payload = pool[d.src_page:d.src_page + d.num_pages]
+            s, _, n, _ = header.descs[0].tolist()
+            payload = pool[s:s + n]
         else:
-            pages = [d.src_page + k for d in header.descs for k in range(d.num_pages)]
+            pages = run_pages(header.descs, SRC)
             if self._staging is None or self._staging.shape[0] < len(pages):
                 self._staging = torch.empty((len(pages), *pool.shape[1:]), dtype=pool.dtype,
                                             device=pool.device)

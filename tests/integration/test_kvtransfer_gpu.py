@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from pdserve.kvtransfer import KVManager, KVPoll, TransferConfig
-from pdserve.kvtransfer.peer import PeerProcess, PoolSpec, make_pool, page_checksum
+from pdserve.kvtransfer.peer import PeerProcess, PoolSpec, make_pool, page_checksum, wait_for
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_ipc_pages_arrive_bit_exact() -> None:
-    cfg = TransferConfig(backend="cuda_ipc")
+@pytest.mark.parametrize("ipc_copy", ["auto", "triton", "staged"])
+def test_cuda_ipc_pages_arrive_bit_exact(ipc_copy: str) -> None:
+    """A few runs (peer copies, or the kernel with "triton"), then a chunk of scattered pages
+    (the Triton page-to-page kernel, or gather / peer copy / scatter with "staged")."""
+    cfg = TransferConfig(backend="cuda_ipc", ipc_copy=ipc_copy)
     last = torch.cuda.device_count() - 1
     base = {"num_pages": 64, "num_layers": 4, "page_size": 16, "num_kv_heads": 2,
             "head_dim": 64}
@@ -24,17 +25,18 @@ def test_cuda_ipc_pages_arrive_bit_exact() -> None:
     pool, _ = make_pool(spec)
     dmgr = KVManager("decode", pool, cfg, spec.fingerprint())
     try:
-        src, dst = [3, 4, 5, 9, 20], [40, 41, 42, 7, 8]
+        # Then 20 pages of which no two are consecutive on either side.
+        far = [*range(62, 43, -2), *range(38, 19, -2)]
+        src, dst = [3, 4, 5, 9, 20, *range(21, 61, 2)], [40, 41, 42, 7, 8, *far]
+        assert len(set(dst)) == len(dst) == len(src)
         prefill.call("create_sender", 1)
         r = dmgr.create_receiver(1, prefill.bootstrap_addr)
         r.init(dst)
         assert prefill.call("wait", 1, int(KVPoll.WaitingForInput), 30)[0] == 2
         prefill.call("send", 1, src[:2], 0, False, None)
-        prefill.call("send", 1, src[2:], 2, True, (3, -0.1, 0))
-        t0 = time.monotonic()
-        while r.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() - t0 < 30:
-            time.sleep(0.005)
-        assert r.poll() == KVPoll.Success, r.failure_reason
+        prefill.call("send", 1, src[2:5], 2, False, None)
+        prefill.call("send", 1, src[5:], 5, True, (3, -0.1, 0))
+        assert wait_for(r, KVPoll.Success, 30) == KVPoll.Success, r.failure_reason
         assert page_checksum(pool, dst) == prefill.call("checksum", src)
     finally:
         dmgr.close()

@@ -11,22 +11,12 @@ import torch
 
 from pdserve.kvtransfer import KVManager, KVPoll, TransferConfig
 from pdserve.kvtransfer.backends.tcp import TcpEngine
-from pdserve.kvtransfer.descriptors import Descriptor
-from pdserve.kvtransfer.engine import ChunkHeader
-from pdserve.kvtransfer.peer import PeerProcess, PoolSpec, make_pool
+from pdserve.kvtransfer.chunk_header import ChunkHeader
+from pdserve.kvtransfer.descriptors import descs
+from pdserve.kvtransfer.peer import PeerProcess, PoolSpec, make_pool, wait_for
 
 CFG = TransferConfig(backend="tcp", heartbeat_interval_s=0.2, heartbeat_misses=3)
 SPEC = PoolSpec(num_pages=32, num_layers=2, page_size=4, num_kv_heads=2, head_dim=8)
-
-
-def _wait(obj: object, target: KVPoll, timeout: float = 10.0) -> KVPoll:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        st = obj.poll()  # type: ignore[attr-defined]
-        if st == KVPoll.Failed or st >= target:
-            return st
-        time.sleep(0.002)
-    return obj.poll()  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +45,11 @@ def test_forged_destination_is_rejected_and_never_written(prefill: PeerProcess) 
         r = dmgr.create_receiver(77, prefill.bootstrap_addr)
         prefill.call("create_sender", 77)
         r.init([4, 5, 6])
-        assert _wait(r, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+        assert wait_for(r, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
         pb = SPEC.page_bytes
         # Page 9 was never registered for room 77.
-        _forge(addr, ChunkHeader(77, 0, (Descriptor(1, 9, 1, 0),), False, None), pb, 1)
-        assert _wait(r, KVPoll.Success) == KVPoll.Failed
+        _forge(addr, ChunkHeader(77, 0, descs([(1, 9, 1, 0)]), False, None), pb, 1)
+        assert wait_for(r, KVPoll.Success) == KVPoll.Failed
         assert "not registered" in (r.failure_reason or "")
         assert not pool[9].view(torch.int16).any() and not pool[4].view(torch.int16).any()
         st, reason = prefill.call("wait", 77, int(KVPoll.Success), 5)
@@ -68,14 +58,14 @@ def test_forged_destination_is_rejected_and_never_written(prefill: PeerProcess) 
         r2 = dmgr.create_receiver(78, prefill.bootstrap_addr)
         prefill.call("create_sender", 78)
         r2.init([10, 11])
-        assert _wait(r2, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
-        _forge(addr, ChunkHeader(78, 0, (Descriptor(1, 10, 2, 0),), False, None), pb // 2, 1)
-        assert _wait(r2, KVPoll.Success) == KVPoll.Failed
+        assert wait_for(r2, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+        _forge(addr, ChunkHeader(78, 0, descs([(1, 10, 2, 0)]), False, None), pb // 2, 1)
+        assert wait_for(r2, KVPoll.Success) == KVPoll.Failed
         assert "size" in (r2.failure_reason or "")
         assert not pool[10:12].view(torch.int16).any()
         # Out of the pool, and late messages for a finished room: dropped, nothing written.
-        _forge(addr, ChunkHeader(78, 1, (Descriptor(1, 10, 2, 0),), False, None), pb, 1)
-        _forge(addr, ChunkHeader(99, 0, (Descriptor(1, 12, 1, 0),), False, None), pb, 1)
+        _forge(addr, ChunkHeader(78, 1, descs([(1, 10, 2, 0)]), False, None), pb, 1)
+        _forge(addr, ChunkHeader(99, 0, descs([(1, 12, 1, 0)]), False, None), pb, 1)
         time.sleep(0.2)
         assert not pool[10:13].view(torch.int16).any()
         with pytest.raises(ValueError, match="outside pool"):
@@ -93,7 +83,7 @@ def test_sender_rejects_out_of_range_pages() -> None:
         s = pmgr.create_sender(5)
         decode.call("create_receiver", 5, pmgr.bootstrap_addr)
         decode.call("init", 5, [1, 2])
-        assert _wait(s, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+        assert wait_for(s, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
         with pytest.raises(ValueError, match="exceed the 2 pages"):
             s.send([3, 4, 5], 0, True)
         assert s.poll() == KVPoll.Failed
@@ -112,7 +102,7 @@ def test_fingerprint_mismatch_is_refused_naming_the_field(prefill: PeerProcess) 
     try:
         r = dmgr.create_receiver(11, prefill.bootstrap_addr)
         r.init([1])
-        assert _wait(r, KVPoll.Success) == KVPoll.Failed
+        assert wait_for(r, KVPoll.Success) == KVPoll.Failed
         assert "fingerprint mismatch: num_layers" in (r.failure_reason or "")
         assert "prefill has 2" in (r.failure_reason or "")
     finally:
@@ -126,11 +116,11 @@ def test_timeouts_fail_rooms(prefill: PeerProcess) -> None:
     dmgr = KVManager("decode", pool.clone(), cfg, SPEC.fingerprint())
     try:
         s = pmgr.create_sender(1)  # decode never registers
-        assert _wait(s, KVPoll.Success, 3) == KVPoll.Failed
+        assert wait_for(s, KVPoll.Success, 3) == KVPoll.Failed
         assert "bootstrap timeout" in (s.failure_reason or "")
         r = dmgr.create_receiver(2, prefill.bootstrap_addr)  # registered; prefill has no room
         r.init([1])
-        assert _wait(r, KVPoll.Success, 3) == KVPoll.Failed
+        assert wait_for(r, KVPoll.Success, 3) == KVPoll.Failed
         assert "waiting timeout" in (r.failure_reason or "")
     finally:
         pmgr.close()
@@ -148,7 +138,7 @@ def test_room_queued_at_prefill_outlives_the_waiting_timeout(prefill: PeerProces
         r = dmgr.create_receiver(3, prefill.bootstrap_addr)
         prefill.call("create_sender", 3)
         r.init([1])
-        assert _wait(r, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+        assert wait_for(r, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
         time.sleep(1.2)  # four waiting timeouts
         assert r.poll() == KVPoll.WaitingForInput, r.failure_reason
         r.abort("test done")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.kvtransfer import AuxData, KVManager, KVPoll, TransferConfig
-from pdserve.kvtransfer.peer import PeerProcess, PoolSpec, make_pool
+from pdserve.kvtransfer.peer import PeerProcess, PoolSpec, make_pool, wait_for
 
 BACKENDS = ["tcp", "shm", "ucx"]
 HB = {"heartbeat_interval_s": 0.2, "heartbeat_misses": 3}  # 0.6 s window
@@ -28,16 +28,6 @@ def _spec(seed: int | None, shm: bool = False, **kw: int) -> PoolSpec:
 def _skip_missing(backend: str) -> None:
     if backend == "ucx":
         pytest.importorskip("ucxx")
-
-
-def _wait(obj: object, target: KVPoll, timeout: float = 10.0) -> KVPoll:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        st = obj.poll()  # type: ignore[attr-defined]
-        if st == KVPoll.Failed or st >= target:
-            return st
-        time.sleep(0.002)
-    return obj.poll()  # type: ignore[attr-defined]
 
 
 @pytest.fixture
@@ -77,9 +67,9 @@ def test_chunked_pages_arrive_bit_exact(backend: str, decode_local) -> None:  # 
         assert prefill.call("wait", room, int(KVPoll.WaitingForInput), 10)[0] == 2
         prefill.call("send", room, src[:4], 0, False, None)
         prefill.call("send", room, src[4:7], 4, False, None)
-        assert _wait(r, KVPoll.Transferring) == KVPoll.Transferring
+        assert wait_for(r, KVPoll.Transferring) == KVPoll.Transferring
         prefill.call("send", room, src[7:], 7, True, (1234, -0.25, 8))
-        assert _wait(r, KVPoll.Success) == KVPoll.Success, r.failure_reason
+        assert wait_for(r, KVPoll.Success) == KVPoll.Success, r.failure_reason
         assert prefill.call("wait", room, int(KVPoll.Success), 10)[0] == KVPoll.Success
         assert torch.equal(dpool[dst].view(torch.int16), src_pool[src].view(torch.int16))
         untouched = sorted(set(range(1, 48)) - set(dst))
@@ -104,9 +94,9 @@ def test_abort_from_each_side(backend: str, decode_local) -> None:  # type: igno
         r1.abort("client went away")  # decode side
         st, reason = prefill.call("wait", 1, int(KVPoll.Success), 5)
         assert st == KVPoll.Failed and "client went away" in reason
-        assert _wait(r1, KVPoll.Success) == KVPoll.Failed
+        assert wait_for(r1, KVPoll.Success) == KVPoll.Failed
         prefill.call("abort", 2, "prefill oom")  # prefill side
-        assert _wait(r2, KVPoll.Success) == KVPoll.Failed
+        assert wait_for(r2, KVPoll.Success) == KVPoll.Failed
         assert "prefill oom" in (r2.failure_reason or "")
         prefill.call("send", 2, [5, 6], 0, True, (1, 0.0, 0))  # after abort: a no-op
         assert r2.poll() == KVPoll.Failed
@@ -123,10 +113,10 @@ def test_killed_prefill_fails_its_rooms_within_heartbeat(backend: str, decode_lo
     for room, r in zip((7, 8, 9), rs, strict=True):
         prefill.call("create_sender", room)
         r.init([room])
-    assert _wait(rs[0], KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+    assert wait_for(rs[0], KVPoll.WaitingForInput) == KVPoll.WaitingForInput
     prefill.kill()
     t0 = time.monotonic()
-    assert all(_wait(r, KVPoll.Success, 5) == KVPoll.Failed for r in rs)
+    assert all(wait_for(r, KVPoll.Success, 5) == KVPoll.Failed for r in rs)
     assert time.monotonic() - t0 < 0.6 + 0.5  # heartbeat window + a tick
     assert "silent" in (rs[0].failure_reason or "")
 
@@ -140,11 +130,11 @@ def test_killed_decode_fails_prefill_rooms() -> None:
         s = pmgr.create_sender(5)
         decode.call("create_receiver", 5, pmgr.bootstrap_addr)
         decode.call("init", 5, [1, 2, 3])
-        assert _wait(s, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+        assert wait_for(s, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
         assert s.num_dst_pages == 3
         decode.kill()
         t0 = time.monotonic()
-        assert _wait(s, KVPoll.Success, 5) == KVPoll.Failed
+        assert wait_for(s, KVPoll.Success, 5) == KVPoll.Failed
         assert time.monotonic() - t0 < 0.6 + 0.5
     finally:
         pmgr.close()

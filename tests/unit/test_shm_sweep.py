@@ -1,4 +1,5 @@
-"""Shared-memory KV pools whose creator was killed are swept by the next pool; live ones stay."""
+"""Shared-memory KV pools (and notification sockets) whose creator was killed are swept by the
+next pool; live ones stay."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/s
 CHILD = """
 import sys, time, torch
 from pdserve.kvtransfer.shm_pool import alloc_shm_pool
+from pdserve.kvtransfer.backends.same_host import NotifyListener
 buf = alloc_shm_pool(4, 2, 4, 2, 8, torch.float32)
-print(buf.name, flush=True)
+sock = NotifyListener(lambda header, token: None)
+print(buf.name, sock.path, flush=True)
 time.sleep(60)
 """
 
@@ -28,14 +31,16 @@ def test_killed_creators_segment_is_swept_and_live_ones_stay():
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True,
                              start_new_session=True)
     try:
-        dead_name = child.stdout.readline().strip()
-        assert os.path.exists(f"{SHM_DIR}/{dead_name}")
+        dead_name, dead_sock = child.stdout.readline().split()
+        assert os.path.exists(f"{SHM_DIR}/{dead_name}") and os.path.exists(dead_sock)
         os.killpg(child.pid, signal.SIGKILL)  # the child and its resource tracker alike
         child.wait(10)
         removed = sweep_stale_segments()
         assert dead_name in removed
         assert not os.path.exists(f"{SHM_DIR}/{dead_name}")
         assert not os.path.exists(f"{SHM_DIR}/{dead_name}.lock")
+        assert not os.path.exists(dead_sock)
+        assert not os.path.exists(dead_sock.removesuffix(".sock") + ".lock")
         assert live.name not in removed and os.path.exists(f"{SHM_DIR}/{live.name}")
     finally:
         if child.poll() is None:

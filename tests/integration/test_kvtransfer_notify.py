@@ -1,0 +1,44 @@
+"""One-sided shm transfers are counted whichever way the chunk notification travels: straight
+from prefill's transfer thread over the same-host socket, or (a peer that cannot reach that
+socket) over the control channel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kvtransfer import AuxData, KVManager, KVPoll, TransferConfig
+from pdserve.kvtransfer.peer import PoolSpec, make_pool, wait_for
+
+SPEC = PoolSpec(num_pages=40, num_layers=3, page_size=4, num_kv_heads=2, head_dim=8)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["socket", "control"])
+def test_shm_chunks_counted_over_either_channel(direct: bool) -> None:
+    cfg = TransferConfig(backend="shm")
+    src_pool, _ = make_pool(PoolSpec(**{**SPEC.__dict__, "seed": 4}))
+    dst_pool, shm = make_pool(PoolSpec(**{**SPEC.__dict__, "shm": True}))
+    pmgr = KVManager("prefill", src_pool, cfg, SPEC.fingerprint())
+    dmgr = KVManager("decode", shm, cfg, SPEC.fingerprint())  # type: ignore[arg-type]
+    try:
+        if not direct:  # as if prefill could not reach the socket: decode does not offer it
+            dmgr._decode._transports[0][1].pop("notify")  # type: ignore[union-attr]
+        src, dst = [3, 4, 5, 30, 9, 10, 11, 12, 13, 2], [20, 21, 22, 7, 8, 1, 2, 3, 4, 39]
+        s = pmgr.create_sender(7)
+        r = dmgr.create_receiver(7, pmgr.bootstrap_addr)
+        r.init(dst)
+        assert wait_for(s, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+        s.send(src[:4], 0, False)
+        s.send(torch.tensor(src[4:]), 4, True, AuxData(11, -0.5, 2))
+        assert wait_for(r, KVPoll.Success) == KVPoll.Success, r.failure_reason
+        assert wait_for(s, KVPoll.Success) == KVPoll.Success, s.failure_reason
+        assert torch.equal(dst_pool[dst].view(torch.int16), src_pool[src].view(torch.int16))
+        assert r.aux == AuxData(11, -0.5, 2)
+        socks = pmgr._prefill._engines["shm"]._notifier._socks  # type: ignore[union-attr]
+        assert (socks.get(dmgr._decode.ident.hex()) is not None) == direct  # type: ignore
+    finally:
+        pmgr.close()
+        dmgr.close()
+        assert shm is not None
+        shm.close()
+    assert pmgr.registered_regions() == [] and dmgr.registered_regions() == []
