@@ -98,8 +98,11 @@ def test_incompatible_pair_is_refused_naming_the_mismatch(procs):
     """Prefill and decode with different page sizes: the handshake refuses the pair with an
     error naming the field; the client gets a clear 502; nothing stays allocated."""
     procs.start_router()
-    procs.start_workers("prefill", args=("--page-size=16",))
-    procs.start_workers("decode", args=("--page-size=8",))
+    # A wide heartbeat window: on a loaded 2-core machine a 2 s stall of the prefill process
+    # would otherwise fail the room as "silent" before its refusal arrives.
+    slow_hb = ("--heartbeat-interval=1", "--heartbeat-misses=15")
+    procs.start_workers("prefill", args=("--page-size=16", *slow_hb))
+    procs.start_workers("decode", args=("--page-size=8", *slow_hb))
     procs.wait_healthy(2)
     status, body = post(f"{procs.url}/v1/completions", {"prompt": "hello " * 20,
                                                          "max_tokens": 3}, timeout_s=120)
