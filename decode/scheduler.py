@@ -113,15 +113,13 @@ class DecodeScheduler(Scheduler):
         req.user.t_transferred = time.perf_counter()
         req.kv_len = len(req.input_ids)
         req.cached_tokens = int(aux.cached_tokens)
-        req.output_ids.append(int(aux.first_token_id))
-        req.first_token_time = time.perf_counter()
+        tok = int(aux.first_token_id)
+        req.output_ids.append(tok)
         if req.sampling.logprobs is not None:
             req.output_logprobs.append(float(aux.first_logprob))
             if req.sampling.logprobs:
-                req.output_top_logprobs.append(([int(aux.first_token_id)],
-                                                [float(aux.first_logprob)]))
-        self._check_finish(req, int(aux.first_token_id))
-        self.on_tokens(req, 1)
+                req.output_top_logprobs.append(([tok], [float(aux.first_logprob)]))
+        self.token_done(req, tok, time.perf_counter())
         if req.finished:
             self.finish(req)
         else:

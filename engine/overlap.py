@@ -130,20 +130,18 @@ class OverlapDecoder:
             if r.finished:
                 continue  # stopped at an earlier token: this one was computed in vain
             r.output_ids[slot] = tok
-            if r.first_token_time is None:
-                r.first_token_time = now
             # Finish checks and streaming see the request as of this token: without the
             # placeholder of a step launched after it.
             later = r.output_ids[slot + 1:]
             del r.output_ids[slot + 1:]
-            s._check_finish(r, tok)
-            s.on_tokens(r, 1)
+            s.token_done(r, tok, now)
             if r.finished:  # tokens launched after this one are dropped; KV is kept until
                 r.kv_len = min(r.kv_len, r.seq_len)  # the step computing them is done
             else:
                 r.output_ids.extend(later)
         self._release_deferred()
-        ended = [r for r in f.reqs if r.finished and r in s.running]
+        running = {id(r) for r in s.running}
+        ended = [r for r in f.reqs if r.finished and id(r) in running]
         if ended:
             s.running = [r for r in s.running if not r.finished]
         for r in ended:

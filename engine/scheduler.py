@@ -195,15 +195,19 @@ class Scheduler:
         for i, r in enumerate(reqs):
             tok = ids[i]
             r.output_ids.append(tok)
-            if r.first_token_time is None:
-                r.first_token_time = now
             if lps is not None and r.sampling.logprobs is not None:
                 r.output_logprobs.append(lps[i])
                 if top_ids is not None and r.sampling.logprobs:
                     k = r.sampling.logprobs
                     r.output_top_logprobs.append((top_ids[i][:k], top_lps[i][:k]))
-            self._check_finish(r, tok)
-            self.on_tokens(r, 1)
+            self.token_done(r, tok, now)
+
+    def token_done(self, req: Req, tok: int, now: float) -> None:
+        """`tok` is the last of req.output_ids: time it, check finish rules, stream it."""
+        if req.first_token_time is None:
+            req.first_token_time = now
+        self._check_finish(req, tok)
+        self.on_tokens(req, 1)
 
     def _check_finish(self, req: Req, tok: int) -> None:
         sp = req.sampling

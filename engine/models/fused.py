@@ -12,6 +12,7 @@ import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
 
@@ -19,16 +20,19 @@ _enabled = os.environ.get("PDSERVE_FUSED_OPS", "1") != "0"
 
 
 @functools.cache
-def _triton_available() -> bool:
+def kernels() -> SimpleNamespace | None:
+    """The fused kernels (rmsnorm, apply_rope_qk_, silu_mul), or None where Triton is missing."""
     try:
-        import triton  # noqa: F401
+        from pdserve.kernels.fused_norm import rmsnorm
+        from pdserve.kernels.rope import apply_rope_qk_
+        from pdserve.kernels.silu_mul import silu_mul
     except ImportError:
-        return False
-    return True
+        return None
+    return SimpleNamespace(rmsnorm=rmsnorm, apply_rope_qk_=apply_rope_qk_, silu_mul=silu_mul)
 
 
 def use_fused(x: torch.Tensor) -> bool:
-    return _enabled and x.is_cuda and _triton_available()
+    return _enabled and x.is_cuda and kernels() is not None
 
 
 @contextmanager

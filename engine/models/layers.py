@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.models.fused import use_fused
+from pdserve.engine.models.fused import kernels, use_fused
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -30,9 +30,7 @@ class RMSNorm(nn.Module):
         """norm(x); with `residual`, (norm(x + residual), x + residual): the add that closes a
         block fused with the norm that opens the next (in place on `residual` when fused)."""
         if use_fused(x):
-            from pdserve.kernels.fused_norm import rmsnorm
-
-            return rmsnorm(x, self.weight, self.eps, residual)
+            return kernels().rmsnorm(x, self.weight, self.eps, residual)
         s = x if residual is None else x + residual
         # Normalise in fp32 and cast back before the weight multiply: the order HF uses, so
         # bf16 results round the same way as the reference implementation.
@@ -58,8 +56,6 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = F.linear(x, self.gate_up_proj)
         if use_fused(gate_up):
-            from pdserve.kernels.silu_mul import silu_mul
-
-            return F.linear(silu_mul(gate_up), self.down_proj)
+            return F.linear(kernels().silu_mul(gate_up), self.down_proj)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_proj)

@@ -16,7 +16,7 @@ from torch import nn
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.models.fused import use_fused
+from pdserve.engine.models.fused import kernels, use_fused
 from pdserve.engine.models.layers import RMSNorm, SwiGLUMLP, empty_param
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rope
 
@@ -50,9 +50,7 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         if use_fused(x):
-            from pdserve.kernels.rope import apply_rope_qk_
-
-            apply_rope_qk_(q, k, cos, sin)  # in place, on the qkv output
+            kernels().apply_rope_qk_(q, k, cos, sin)  # in place, on the qkv output
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
