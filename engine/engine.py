@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.attention import cpu_decode
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 from pdserve.engine.config import CacheConfig, SchedulerConfig, parse_dtype
+from pdserve.engine.cpu_linear import pack_linear_weights
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.memory import KVMemory
 from pdserve.engine.model_runner import ModelRunner, default_attention_backend, num_kv_pages
@@ -21,6 +24,9 @@ class EngineConfig:
     attention_backend: str | None = None
     disable_radix_cache: bool = False
     disable_cuda_graph: bool = False
+    # fp32 on CPU: oneDNN-packed large weights for decode matmuls (engine/cpu_linear.py) and
+    # the C++ paged decode attention (engine/attention/cpu_decode.py). Off: plain torch only.
+    cpu_kernels: bool = True
     cuda_graph_max_bs: int = 256
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -79,6 +85,13 @@ def build_engine_parts(config: EngineConfig, pool_buffer: torch.Tensor | None = 
     memory = KVMemory(pool, cache.max_reqs, max_ctx, config.disable_radix_cache)
     backend = default_attention_backend(device, config.attention_backend,
                                         num_heads=model_config.num_heads)
+    if isinstance(backend, TorchAttentionBackend):
+        backend.cpu_kernel = config.cpu_kernels
+    if config.cpu_kernels and device.type == "cpu" and dtype == torch.float32:
+        pack_linear_weights(model)
+        # Start building (or loading) the C++ decode kernel now, off this thread; decode uses
+        # torch ops until it is ready.
+        cpu_decode.load(block=False)
     runner = ModelRunner(model, model_config, pool, backend)
     if device.type == "cuda" and not config.disable_cuda_graph:
         runner.enable_cuda_graph(min(config.cuda_graph_max_bs, config.scheduler.max_running))

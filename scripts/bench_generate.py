@@ -9,6 +9,7 @@ same useful tokens (the sum of the requested lengths). Prints tokens/s of each (
 only; loading excluded), the ratio, and how many outputs match token for token.
 
     python scripts/bench_generate.py [--num-prompts 32] [--output-len 8:128] [--model PATH]
+        [--repeats 3] [--no-cpu-kernels]
 """
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--output-len", default="8:128", help="N or LO:HI (uniform, seeded)")
     ap.add_argument("--hf-batch-size", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=2,
+    ap.add_argument("--repeats", type=int, default=3,
                     help="alternate pdserve and HF this many times; the best time of each counts")
+    ap.add_argument("--no-cpu-kernels", action="store_true",
+                    help="pdserve on plain torch ops only (no packed linears, no C++ attention)")
     args = ap.parse_args()
     from pdserve.engine.default_model import default_model_path
     from pdserve.engine.llm import LLM
@@ -79,7 +82,7 @@ def main() -> None:
     lo, _, hi = args.output_len.partition(":")
     rng = random.Random(1)
     lens = [rng.randint(int(lo), int(hi or lo)) for _ in prompts]
-    llm = LLM(model=path, max_running=args.num_prompts)
+    llm = LLM(model=path, max_running=args.num_prompts, cpu_kernels=not args.no_cpu_kernels)
     sp = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     ours_s = hf_s = float("inf")
@@ -91,7 +94,9 @@ def main() -> None:
     n_tok = sum(lens)
     same = sum(o.token_ids == h for o, h in zip(ours, hf_out))
     row = {"prompts": args.num_prompts, "output_len": args.output_len, "tokens": n_tok,
-           "threads": torch.get_num_threads(), "pdserve_tok_s": round(n_tok / ours_s, 1),
+           "threads": torch.get_num_threads(), "cpu_kernels": not args.no_cpu_kernels,
+           "load_avg_1m": round(os.getloadavg()[0], 2),  # > threads: shared, ratio is noisy
+           "pdserve_tok_s": round(n_tok / ours_s, 1),
            "hf_tok_s": round(n_tok / hf_s, 1), "ratio": round(hf_s / ours_s, 2),
            "identical_outputs": f"{same}/{len(prompts)}"}
     print(json.dumps(row))

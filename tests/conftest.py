@@ -6,6 +6,14 @@ import pytest
 from fixtures.tiny_model import write_tiny_model
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build (or import) the CPU decode kernel once, before any test starts worker processes,
+    so they import the cached build instead of compiling it side by side."""
+    from pdserve.engine.attention import cpu_decode
+
+    cpu_decode.load(block=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random Llama in HF format (config.json, model.safetensors, tokenizer)."""

@@ -7,6 +7,11 @@ prefix_len[i] + j) and padding-aware. Each layer then runs one masked
 `scaled_dot_product_attention` over the whole batch; there is no per-sequence Python loop.
 GQA is handled by folding each KV head's group of query heads into the query-length axis, so
 K/V are never repeated in memory.
+
+With `cpu_kernel=True` (what the engine sets for fp32 on CPU), DECODE batches on CPU take the
+C++ paged kernel of `cpu_decode` instead, when its build is ready and every sequence's slots
+follow its pages in order (what the paged allocator hands out; checked once per batch). The
+torch path above stays the reference the kernel is tested against, and the fallback.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.attention import cpu_decode
 from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 
@@ -32,12 +38,53 @@ class _Plan:
     group: int = 0
 
 
+@dataclass
+class _PagedDecodePlan:
+    fb: ForwardBatch
+    page_table: torch.Tensor  # [B, max_pages] int64; entries past a sequence's end are 0
+    seq_lens: torch.Tensor  # [B] int64
+    out_slots: torch.Tensor  # [B] int64
+
+
+def page_table_of(fb: ForwardBatch) -> torch.Tensor | None:
+    """[B, max_pages] pages of each sequence if token t of every sequence sits at slot
+    page_table[b, t // page_size] * page_size + t % page_size, else None."""
+    ps = fb.kv_pool.page_size
+    seq_lens = fb.seq_lens.to(torch.int64)
+    indptr = fb.kv_indptr.to(torch.int64)
+    kv_indices = fb.kv_indices.to(torch.int64)
+    max_kv = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else int(seq_lens.max())
+    first = torch.arange(0, max_kv, ps)  # position of each page's first token
+    valid = first[None, :] < seq_lens[:, None]
+    starts = torch.where(valid, indptr[:-1, None] + first[None, :], 0)
+    page_table = torch.where(valid, kv_indices[starts] // ps, 0)
+    seq = torch.repeat_interleave(torch.arange(len(seq_lens)), seq_lens)
+    pos = torch.arange(kv_indices.numel()) - indptr[seq]
+    expect = page_table[seq, pos // ps] * ps + pos % ps
+    return page_table if torch.equal(expect, kv_indices) else None
+
+
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self) -> None:
+    def __init__(self, cpu_kernel: bool = False) -> None:
         self._plan: _Plan | None = None
+        self._paged: _PagedDecodePlan | None = None
+        self.cpu_kernel = cpu_kernel
 
     def init_forward(self, fb: ForwardBatch) -> None:
-        self._plan = self._build_plan(fb)
+        self._paged = self._paged_decode_plan(fb)
+        self._plan = None if self._paged is not None else self._build_plan(fb)
+
+    def _paged_decode_plan(self, fb: ForwardBatch) -> _PagedDecodePlan | None:
+        buf = fb.kv_pool.buffer
+        if (not self.cpu_kernel or fb.mode != ForwardMode.DECODE or fb.num_tokens == 0
+                or buf.device.type != "cpu" or buf.dtype != torch.float32
+                or not buf.is_contiguous() or cpu_decode.load(block=False) is None):
+            return None
+        page_table = page_table_of(fb)
+        if page_table is None:
+            return None
+        return _PagedDecodePlan(fb, page_table, fb.seq_lens.to(torch.int64).contiguous(),
+                                fb.out_cache_loc.to(torch.int64).contiguous())
 
     @staticmethod
     def _build_plan(fb: ForwardBatch) -> _Plan:
@@ -93,6 +140,12 @@ class TorchAttentionBackend(AttentionBackend):
         fb: ForwardBatch,
         scale: float,
     ) -> torch.Tensor:
+        paged = self._paged
+        if (paged is not None and paged.fb is fb
+                and q.dtype == k.dtype == v.dtype == torch.float32):
+            return cpu_decode.paged_decode(
+                q.contiguous(), k.contiguous(), v.contiguous(), fb.kv_pool.buffer, layer_id,
+                paged.page_table, paged.seq_lens, paged.out_slots, scale)
         fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         if fb.num_tokens == 0:
             return q.new_empty(q.shape)

@@ -2,7 +2,8 @@
 
 Covers single prompts, a batch of mixed lengths (continuous batching), chunked prefill forced
 small, prefix-cache hits (the same prefix twice) and retraction under KV pressure; afterwards
-no KV page is held by a request.
+no KV page is held by a request. The default engine runs the CPU fast paths (packed decode
+linears, the C++ decode attention); one test runs the plain-torch path against HF too.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import pytest
 from fixtures.hf_ref import hf_greedy, hf_model
 
+from pdserve.engine.attention import cpu_decode
+from pdserve.engine.cpu_linear import PackedLinearWeight
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -86,3 +89,27 @@ def test_retraction_keeps_greedy_output(smollm2_path):
     for ids, out in zip(batch, outs):
         assert out.token_ids == hf_greedy(smollm2_path, ids, 24, stop_at_eos=False)
     _assert_idle(tight)
+
+
+def test_cpu_fast_paths_are_used(llm, smollm2_path):
+    runner = llm.scheduler.runner
+    assert isinstance(runner.model.layers[0].mlp.gate_up_proj, PackedLinearWeight)
+    assert runner.attn_backend.cpu_kernel
+    if cpu_decode.load(block=True) is None:
+        pytest.skip("the C++ decode kernel could not be built here")
+    ids = _ids(smollm2_path, PROMPTS[1])
+    assert llm.generate([ids], GREEDY)[0].token_ids == hf_greedy(smollm2_path, ids, 12)
+    assert runner.attn_backend._paged is not None  # the last forward, a decode, used the kernel
+    assert runner.model.layers[0].mlp.gate_up_proj.packed is not None
+
+
+def test_plain_torch_path_equals_hf(smollm2_path):
+    plain = LLM(model=smollm2_path, num_pages=256, max_running=8, cpu_kernels=False)
+    runner = plain.scheduler.runner
+    assert not isinstance(runner.model.layers[0].mlp.gate_up_proj, PackedLinearWeight)
+    assert not runner.attn_backend.cpu_kernel
+    batch = [_ids(smollm2_path, p) for p in PROMPTS]
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0) for i in range(len(batch))]
+    for ids, sp, out in zip(batch, params, plain.generate(batch, params)):
+        assert out.token_ids == hf_greedy(smollm2_path, ids, sp.max_tokens)
+    _assert_idle(plain)
