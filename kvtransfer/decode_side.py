@@ -27,6 +27,7 @@ from pdserve.kvtransfer.engine import ChunkHeader, TransferEngine
 from pdserve.kvtransfer.fingerprint import Fingerprint
 from pdserve.kvtransfer.poll import KVPoll
 from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.trace import stamp
 
 
 @dataclass
@@ -154,6 +155,7 @@ class DecodeSide:
             r.abort(f"rejected chunk {header.seq}: {err}")
             return False
         if complete and r.state.advance(KVPoll.Success):
+            stamp("success", r.room)
             self._release(r)
             self.loop.call(lambda: self._send_to(r.bootstrap_addr, C.ACK, {"room": r.room}))
         return True

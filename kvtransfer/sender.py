@@ -17,6 +17,7 @@ from pdserve.kvtransfer.aux import AuxData
 from pdserve.kvtransfer.descriptors import as_pages, merge_runs
 from pdserve.kvtransfer.engine import ChunkHeader
 from pdserve.kvtransfer.poll import KVPoll, RoomState
+from pdserve.kvtransfer.trace import stamp
 
 if TYPE_CHECKING:
     from pdserve.kvtransfer.prefill_side import PrefillSide
@@ -55,6 +56,7 @@ class KVSender:
         """Queue pages [start_page, start_page + len(src_pages)) of the request; non-blocking.
         `src_pages`: a list, numpy array or tensor. The last chunk carries the aux data and must
         end at num_dst_pages."""
+        stamp("send", self.room)
         src = as_pages(src_pages)
         if self.state.done:
             return  # failed meanwhile (peer abort, timeout); the scheduler sees it in poll()

@@ -10,6 +10,9 @@ from pdserve.kvtransfer.engine import TransferEngine
 
 log = logging.getLogger("pdserve.kvtransfer")
 
+# Writes that only launch asynchronous device copies: cheap enough for the sender's thread.
+INLINE_BACKENDS = frozenset({"cuda_ipc"})
+
 
 def make_engine(name: str, **kwargs: Any) -> TransferEngine:
     if name == "tcp":

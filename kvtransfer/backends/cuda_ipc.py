@@ -2,10 +2,11 @@
 through a CUDA IPC mapping (NVLink / PCIe peer access), on side streams.
 
 How pages move (TransferConfig.ipc_copy): a chunk of a few runs is one peer copy per run;
-scattered pages go through one Triton kernel that stores every page straight into the peer's
-pool ("auto", "triton"; kernels/page_p2p_copy.py), or gather -> one peer copy -> scatter
-("staged", and wherever Triton does not import). "triton" uses the kernel for every chunk, to
-compare it with plain peer copies.
+scattered pages go through one Triton kernel, launched by the sender on the receiver's GPU,
+that reads every page of the sender's pool over NVLink and stores it into the receiver's pool
+("auto", "triton"; kernels/page_p2p_copy.py), or gather -> one peer copy -> scatter
+("staged", and wherever Triton does not import or refuses the launch). "triton" uses the
+kernel for every chunk, to compare it with plain peer copies.
 
 The receiver shares its pool's IPC handle at handshake (torch's CUDA tensor reduction); the
 sender maps it once per peer. As with shm, the sender validates destinations (the manager does)
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
+from pdserve.kvtransfer import trace
 from pdserve.kvtransfer.backends.same_host import SameHostEngine
 from pdserve.kvtransfer.config import IPC_COPIES
 from pdserve.kvtransfer.descriptors import DST, SRC, run_pages
@@ -39,21 +41,25 @@ _DIRECT_MAX_DESCS = 8  # up to this many runs: one peer copy each (no kernel, no
 _STAGING_PAGES = 256  # pages per gather / peer copy / scatter piece (ipc_copy="staged")
 
 
-def _p2p_kernel() -> Callable[..., None] | None:
-    """kernels.page_p2p_copy.copy_pages, or None where Triton does not import."""
+def _p2p_copier(src: torch.Tensor, dst: torch.Tensor) -> Callable[..., None] | None:
+    """A kernels.page_p2p_copy.PageCopier for the two pools run on the destination's GPU, or
+    None where Triton does not import. On the destination's GPU because the peer's pool is
+    mapped from its IPC handle, which only that GPU's kernels can reach (launched from the
+    source GPU, Triton refused the pointer and a kernel given its address faulted, peer access
+    on or not); the kernel reads the local pool over NVLink instead."""
     try:
-        from pdserve.kernels.page_p2p_copy import copy_pages
+        from pdserve.kernels.page_p2p_copy import PageCopier
     except ImportError as e:
         log.warning("cuda_ipc: Triton page copy unavailable (%s); staged copies", e)
         return None
-    return copy_pages
+    return PageCopier(src, dst, device=dst.device)
 
 
 def enable_peer_access(a: int, b: int) -> None:
     """cudaDeviceEnablePeerAccess both ways. Copies into memory mapped from another process's
     IPC handle do not turn peer access on by themselves: without this, torch's copy to such
     memory was seen at ~38 GB/s between two H200s instead of ~387 GB/s over NVLink."""
-    if a == b:
+    if a == b or a < 0 or b < 0:
         return
     cudart = None
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
@@ -70,11 +76,30 @@ def enable_peer_access(a: int, b: int) -> None:
         for x, y in ((a, b), (b, a)):
             torch.cuda.set_device(x)
             rc = cudart.cudaDeviceEnablePeerAccess(ctypes.c_int(y), ctypes.c_uint(0))
+            if rc != 0:
+                # Clear it, or the next runtime call reports it (704, "peer access is already
+                # enabled", failed the Triton launch that followed).
+                cudart.cudaGetLastError()
             if rc not in (0, 704):  # 704: already enabled
                 log.warning("cuda_ipc: cudaDeviceEnablePeerAccess(%d->%d) = %d", x, y, rc)
-                cudart.cudaGetLastError()  # clear the sticky-free error state
     finally:
         torch.cuda.set_device(current)
+
+
+def _device_of(uuid: str) -> int:
+    """Index of the visible GPU with this UUID (the peer pool's device), else -1."""
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return i
+    return -1
+
+
+def _to_device(pages: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Page indices on `device` through pinned memory: a copy from pageable memory waits for
+    the stream's earlier work (here the previous chunk's copy) before it returns."""
+    host = torch.empty(pages.shape, dtype=torch.int64, pin_memory=True)  # cached by torch
+    host.numpy()[...] = pages
+    return host.to(device, non_blocking=True)
 
 
 class CudaIpcEngine(SameHostEngine):
@@ -85,8 +110,8 @@ class CudaIpcEngine(SameHostEngine):
         if ipc_copy not in IPC_COPIES:
             raise ValueError(f"ipc_copy: {ipc_copy!r} is not one of {IPC_COPIES}")
         self.ipc_copy = ipc_copy
-        self._kernel: Callable[..., None] | None = None  # loaded by the first write()
         self._peers: dict[str, torch.Tensor] = {}  # sender: mapped peer pools (not owned)
+        self._copiers: dict[str, Callable[..., None] | None] = {}  # per peer, Triton path
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self._stage: tuple[torch.Tensor, torch.Tensor] | None = None  # src-GPU, dst-GPU
         self._event: torch.cuda.Event | None = None  # sender: last chunk's copies done
@@ -107,8 +132,12 @@ class CudaIpcEngine(SameHostEngine):
         if dst is None:
             # The blob comes from a peer that passed the handshake on our bootstrap endpoint.
             rebuild, args = pickle.loads(base64.b64decode(info["handle"]))
+            local = self.region("kv").device.index or 0
+            # Peer access first: memory mapped from an IPC handle before it was enabled is not
+            # reachable from this GPU's kernels (the Triton launcher refused such a pointer).
+            enable_peer_access(local, _device_of(str(info.get("device_uuid", ""))))
             dst = rebuild(*args)
-            enable_peer_access(self.region("kv").device.index or 0, dst.device.index or 0)
+            enable_peer_access(local, dst.device.index or 0)  # no-op when done above
             self._peers[peer] = dst
         return dst
 
@@ -124,9 +153,11 @@ class CudaIpcEngine(SameHostEngine):
             self._event = torch.cuda.Event(interprocess=True)
         s_src, s_dst = self._streams
         s_src.wait_stream(torch.cuda.current_stream(src.device))  # pages written by prefill
+        s_dst.wait_stream(s_src)
+        timing = trace.gpu_timer(s_dst)
         few = len(runs) <= _DIRECT_MAX_DESCS
         copied = ((self.ipc_copy == "triton" or (self.ipc_copy == "auto" and not few))
-                  and self._kernel_copy(src, dst, header, s_src))
+                  and self._kernel_copy(peer, src, dst, header, s_dst))
         if not copied and few:
             with torch.cuda.stream(s_src):
                 for sp, dp, n in runs.tolist():
@@ -134,29 +165,34 @@ class CudaIpcEngine(SameHostEngine):
         elif not copied:
             self._staged_copy(src, dst, header, s_src, s_dst)
         s_dst.wait_stream(s_src)
+        if timing is not None:
+            timing.done(header.room, s_dst)
         event = self._event
         if event is None:
             raise RuntimeError("cuda_ipc: completion event missing")
         with torch.cuda.device(dst.device):
             event.record(s_dst)
 
-    def _kernel_copy(self, src: torch.Tensor, dst: torch.Tensor, header: ChunkHeader,
-                     s_src: torch.cuda.Stream) -> bool:
-        """One launch on the source GPU: local pages stored straight into the peer's. False
-        (and staged copies from then on) where Triton does not import or refuses the launch."""
-        if self._kernel is None:
-            self._kernel = _p2p_kernel()
-            if self._kernel is None:
-                self.ipc_copy = "staged"
-                return False
+    def _kernel_copy(self, peer: str, src: torch.Tensor, dst: torch.Tensor,
+                     header: ChunkHeader, stream: torch.cuda.Stream) -> bool:
+        """One launch on the destination GPU (`stream` is on it): the local pool read over
+        NVLink, stored into the peer's pages. False (and staged copies from then on) where
+        Triton does not import or refuses the launch."""
+        if peer not in self._copiers:
+            self._copiers[peer] = _p2p_copier(src, dst)
+        copier = self._copiers[peer]
+        if copier is None:
+            self.ipc_copy = "staged"
+            return False
         pages = np.stack([run_pages(header.descs, SRC), run_pages(header.descs, DST)])
         try:
-            with torch.cuda.stream(s_src):
-                idx = torch.from_numpy(pages).to(src.device, non_blocking=True)
-                self._kernel(src, dst, idx[0], idx[1])
+            with torch.cuda.device(dst.device), torch.cuda.stream(stream):
+                idx = _to_device(pages, dst.device)
+                copier(idx[0], idx[1])
         except (RuntimeError, ValueError) as e:  # e.g. a launcher refusing the peer pointer
             log.warning("cuda_ipc: Triton page copy failed (%s); staged copies from now on", e)
-            self._kernel, self.ipc_copy = None, "staged"
+            self._copiers.clear()
+            self.ipc_copy = "staged"
             return False
         return True
 
@@ -164,19 +200,19 @@ class CudaIpcEngine(SameHostEngine):
                      s_src: torch.cuda.Stream, s_dst: torch.cuda.Stream) -> None:
         """Scattered pages: gather on the source GPU, one peer copy, scatter on the
         destination GPU: three kernels per piece instead of one copy per descriptor."""
-        src_pages = torch.from_numpy(run_pages(header.descs, SRC))
-        dst_pages = torch.from_numpy(run_pages(header.descs, DST))
+        src_pages = run_pages(header.descs, SRC)
+        dst_pages = run_pages(header.descs, DST)
         piece = _STAGING_PAGES
         for lo in range(0, len(src_pages), piece):
             n = min(piece, len(src_pages) - lo)
             stage_src, stage_dst = self._staging(src, dst, min(piece, len(src_pages)))
             with torch.cuda.stream(s_src):
-                idx = src_pages[lo:lo + n].to(src.device, non_blocking=True)
+                idx = _to_device(src_pages[lo:lo + n], src.device)
                 torch.index_select(src, 0, idx, out=stage_src[:n])
             s_dst.wait_stream(s_src)
             with torch.cuda.stream(s_dst):
                 stage_dst[:n].copy_(stage_src[:n], non_blocking=True)
-                jdx = dst_pages[lo:lo + n].to(dst.device, non_blocking=True)
+                jdx = _to_device(dst_pages[lo:lo + n], dst.device)
                 dst.index_copy_(0, jdx, stage_dst[:n])
             s_src.wait_stream(s_dst)  # the next piece reuses both staging buffers
 
@@ -209,9 +245,11 @@ class CudaIpcEngine(SameHostEngine):
     def drop_peer(self, peer: str) -> None:
         super().drop_peer(peer)
         self._peers.pop(peer, None)
+        self._copiers.pop(peer, None)
 
     def close(self) -> None:
         self._peers.clear()
+        self._copiers.clear()
         self.quiesce()
         self._streams = None
         self._stage = None

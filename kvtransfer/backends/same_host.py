@@ -35,6 +35,7 @@ from pdserve.kvtransfer.chunk_header import ChunkHeader
 from pdserve.kvtransfer.descriptors import coalesce
 from pdserve.kvtransfer.engine import ReceiveHandler, TransferEngine
 from pdserve.kvtransfer.shm_pool import SHM_DIR, hold_lock, lock_path
+from pdserve.kvtransfer.trace import stamp
 
 log = logging.getLogger("pdserve.kvtransfer")
 _LEN = struct.Struct("<II")
@@ -173,10 +174,6 @@ class NotifySender:
             self.drop(peer)
 
 
-def _placed(views: object) -> None:
-    """One-sided chunks are already in place: nothing to write."""
-
-
 class SameHostEngine(TransferEngine):
     """Base of the one-sided engines: notification channel on both sides."""
 
@@ -223,10 +220,17 @@ class SameHostEngine(TransferEngine):
         except ValueError as e:
             log.warning("%s: malformed chunk notification dropped: %s", self.name, e)
             return
-        if token:
-            self.wait_completion(token)
+        stamp("received", h.room)
+
+        def landed(views: object) -> None:
+            # Called by place_chunk once the chunk passed its checks, so the checks overlap
+            # the copy; the pages count as arrived only after the copy is done.
+            if token:
+                self.wait_completion(token)
+            stamp("copied", h.room)
+
         if self._handler is not None:
-            self._handler.place_chunk("local", h, None, _placed)
+            self._handler.place_chunk("local", h, None, landed)
 
     def drop_peer(self, peer: str) -> None:
         self._notifier.drop(peer)

@@ -1,0 +1,76 @@
+"""Opt-in stage timestamps of a room's transfer, for finding where a transfer's latency goes.
+
+`PDSERVE_KV_TRACE=1` makes both sides print `kvtrace <stage> <room> <monotonic s>` lines to
+stderr (CLOCK_MONOTONIC is host-wide, so a prefill and a decode process on one host compare);
+`python -m pdserve.kvtransfer.trace LOG` prints the median time between stages, e.g. after
+`PDSERVE_KV_TRACE=1 pdserve kvbench ... 2> LOG`. Off, a stage costs one boolean test.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+ENABLED = os.environ.get("PDSERVE_KV_TRACE", "") not in ("", "0")
+
+# In the order a one-sided chunk passes them.
+STAGES = ("send", "dequeue", "launched", "notified", "received", "copied", "success")
+
+
+def stamp(stage: str, room: int) -> None:
+    if ENABLED:
+        sys.stderr.write(f"kvtrace {stage} {room} {time.monotonic():.6f}\n")
+
+
+class GpuTimer:
+    """CUDA events around one chunk's copies; `done()` records the end and prints the copy
+    times of earlier chunks whose events have completed (never waits on the GPU)."""
+
+    _pending: list[tuple[int, object, object]] = []
+
+    def __init__(self, stream: object) -> None:
+        import torch
+
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.start.record(stream)
+
+    def done(self, room: int, stream: object) -> None:
+        import torch
+
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        pending = GpuTimer._pending
+        pending.append((room, self.start, end))
+        while pending and pending[0][2].query():
+            r, a, b = pending.pop(0)
+            sys.stderr.write(f"kvtrace gpu_copy_ms {r} {a.elapsed_time(b):.4f}\n")
+
+
+def gpu_timer(stream: object) -> GpuTimer | None:
+    return GpuTimer(stream) if ENABLED else None
+
+
+def summarize(lines: list[str]) -> dict[str, float]:
+    """Median milliseconds from each stage to the next over the rooms that passed both."""
+    at: dict[int, dict[str, float]] = {}
+    for line in lines:
+        parts = line[line.find("kvtrace "):].split() if "kvtrace " in line else []
+        if len(parts) == 4:
+            at.setdefault(int(parts[2]), {}).setdefault(parts[1], float(parts[3]))
+    out = {}
+    for a, b in zip(STAGES, STAGES[1:]):
+        d = sorted((t[b] - t[a]) * 1e3 for t in at.values() if a in t and b in t)
+        if d:
+            out[f"{a}->{b}"] = round(d[len(d) // 2], 3)
+    gpu = sorted(t["gpu_copy_ms"] for t in at.values() if "gpu_copy_ms" in t)
+    if gpu:
+        out["gpu_copy_ms"] = round(gpu[len(gpu) // 2], 3)
+    return out
+
+
+if __name__ == "__main__":
+    import json
+
+    with open(sys.argv[1], errors="replace") as f:
+        print(json.dumps(summarize(f.read().replace("\r", "\n").splitlines())))
