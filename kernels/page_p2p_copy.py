@@ -17,6 +17,7 @@ addresses (int64 for every real KV page), so its loads and stores are wide vecto
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 
 import torch
@@ -49,7 +50,7 @@ def _copy_pages_kernel(src_ptr, dst_ptr, src_pages_ptr, dst_pages_ptr, page_word
 
 def _words(pool: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The pool as `[num_pages, page_words]` of an integer dtype (a view, no copy)."""
-    return pool.view(pool.shape[0], -1).view(torch.uint8).view(dtype)
+    return pool.view(pool.shape[0], math.prod(pool.shape[1:])).view(torch.uint8).view(dtype)
 
 
 def _word_dtype(page_bytes: int, *ptrs: int) -> torch.dtype:
@@ -77,7 +78,7 @@ class PageCopier:
         check_pools(src_pool, dst_pool)
         if not src_pool.is_contiguous() or not dst_pool.is_contiguous():
             raise ValueError("dst_pool: both pools must be contiguous page-major tensors")
-        page_bytes = src_pool[0].numel() * src_pool.element_size() if src_pool.shape[0] else 0
+        page_bytes = math.prod(src_pool.shape[1:]) * src_pool.element_size()
         word = _word_dtype(page_bytes, src_pool.data_ptr(), dst_pool.data_ptr())
         self.device = device or src_pool.device
         self._src_w, self._dst_w = _words(src_pool, word), _words(dst_pool, word)
