@@ -14,8 +14,10 @@ import time
 
 ENABLED = os.environ.get("PDSERVE_KV_TRACE", "") not in ("", "0")
 
-# In the order a one-sided chunk passes them.
-STAGES = ("send", "dequeue", "launched", "notified", "received", "copied", "success")
+# In the order a one-sided chunk passes them ("mapped", "uploaded" and "kernel" inside the
+# cuda_ipc write, the last two on its kernel path only).
+STAGES = ("send", "dequeue", "mapped", "uploaded", "kernel", "launched", "notified", "received",
+          "copied", "success")
 
 
 def stamp(stage: str, room: int) -> None:
@@ -52,17 +54,21 @@ def gpu_timer(stream: object) -> GpuTimer | None:
 
 
 def summarize(lines: list[str]) -> dict[str, float]:
-    """Median milliseconds from each stage to the next over the rooms that passed both."""
+    """Median milliseconds from each stage to the next one a room passed."""
     at: dict[int, dict[str, float]] = {}
     for line in lines:
         parts = line[line.find("kvtrace "):].split() if "kvtrace " in line else []
         if len(parts) == 4:
             at.setdefault(int(parts[2]), {}).setdefault(parts[1], float(parts[3]))
+    gaps: dict[str, list[float]] = {}
+    for t in at.values():
+        seen = [s for s in STAGES if s in t]
+        for a, b in zip(seen, seen[1:]):
+            gaps.setdefault(f"{a}->{b}", []).append((t[b] - t[a]) * 1e3)
     out = {}
-    for a, b in zip(STAGES, STAGES[1:]):
-        d = sorted((t[b] - t[a]) * 1e3 for t in at.values() if a in t and b in t)
-        if d:
-            out[f"{a}->{b}"] = round(d[len(d) // 2], 3)
+    for key, d in gaps.items():
+        d.sort()
+        out[key] = round(d[len(d) // 2], 3)
     gpu = sorted(t["gpu_copy_ms"] for t in at.values() if "gpu_copy_ms" in t)
     if gpu:
         out["gpu_copy_ms"] = round(gpu[len(gpu) // 2], 3)

@@ -145,6 +145,7 @@ class CudaIpcEngine(SameHostEngine):
         src = self.region("kv")
         dst = self._map(peer, peer_info)
         runs = self._runs(peer, src, dst, header)
+        trace.stamp("mapped", header.room)
         if self._streams is None:
             self._streams = (torch.cuda.Stream(device=src.device),
                              torch.cuda.Stream(device=dst.device))
@@ -188,7 +189,9 @@ class CudaIpcEngine(SameHostEngine):
         try:
             with torch.cuda.device(dst.device), torch.cuda.stream(stream):
                 idx = _to_device(pages, dst.device)
+                trace.stamp("uploaded", header.room)
                 copier(idx[0], idx[1])
+                trace.stamp("kernel", header.room)
         except (RuntimeError, ValueError) as e:  # e.g. a launcher refusing the peer pointer
             log.warning("cuda_ipc: Triton page copy failed (%s); staged copies from now on", e)
             self._copiers.clear()
