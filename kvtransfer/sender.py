@@ -53,7 +53,9 @@ class KVSender:
 
     def send(self, src_pages: list[int] | Any, start_page: int, last: bool,
              aux: AuxData | None = None) -> None:
-        """Queue pages [start_page, start_page + len(src_pages)) of the request; non-blocking.
+        """Queue pages [start_page, start_page + len(src_pages)) of the request; non-blocking
+        (cuda_ipc launches its asynchronous copies here, the other backends' transfer thread
+        does the work).
         `src_pages`: a list, numpy array or tensor. The last chunk carries the aux data and must
         end at num_dst_pages."""
         stamp("send", self.room)

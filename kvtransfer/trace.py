@@ -54,25 +54,21 @@ def gpu_timer(stream: object) -> GpuTimer | None:
 
 
 def summarize(lines: list[str]) -> dict[str, float]:
-    """Median milliseconds from each stage to the next one a room passed."""
+    """Median milliseconds from each stage to the next one a room passed, and of the GPU copy
+    times."""
     at: dict[int, dict[str, float]] = {}
     for line in lines:
         parts = line[line.find("kvtrace "):].split() if "kvtrace " in line else []
         if len(parts) == 4:
             at.setdefault(int(parts[2]), {}).setdefault(parts[1], float(parts[3]))
-    gaps: dict[str, list[float]] = {}
+    values: dict[str, list[float]] = {}
     for t in at.values():
         seen = [s for s in STAGES if s in t]
         for a, b in zip(seen, seen[1:]):
-            gaps.setdefault(f"{a}->{b}", []).append((t[b] - t[a]) * 1e3)
-    out = {}
-    for key, d in gaps.items():
-        d.sort()
-        out[key] = round(d[len(d) // 2], 3)
-    gpu = sorted(t["gpu_copy_ms"] for t in at.values() if "gpu_copy_ms" in t)
-    if gpu:
-        out["gpu_copy_ms"] = round(gpu[len(gpu) // 2], 3)
-    return out
+            values.setdefault(f"{a}->{b}", []).append((t[b] - t[a]) * 1e3)
+        if "gpu_copy_ms" in t:
+            values.setdefault("gpu_copy_ms", []).append(t["gpu_copy_ms"])
+    return {key: round(sorted(v)[len(v) // 2], 3) for key, v in values.items()}
 
 
 if __name__ == "__main__":

@@ -74,8 +74,8 @@ def main() -> None:
     shape = (32, 2, 16, 8, 128)
     src = torch.randn(args.pool_pages, *shape, device="cuda:0").to(torch.bfloat16)
     torch.cuda.set_device(0)
-    # Before the IPC handle is opened: a mapping made earlier is not reachable from the other
-    # GPU's kernels (Triton refused its pointer; a kernel given its address faulted).
+    # For peer copies at NVLink speed and for the kernel on either GPU to reach the other's
+    # native pool. An IPC-mapped pool stays unreachable from the source GPU's kernels.
     enable_peer_access(0, 1)
     if args.ipc:
         ctx = torch.multiprocessing.get_context("spawn")
