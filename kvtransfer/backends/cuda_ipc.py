@@ -45,9 +45,10 @@ _STAGING_PAGES = 256  # pages per gather / peer copy / scatter piece (ipc_copy="
 def _p2p_copier(src: torch.Tensor, dst: torch.Tensor) -> Callable[..., None] | None:
     """A kernels.page_p2p_copy.PageCopier for the two pools run on the destination's GPU, or
     None where Triton does not import. On the destination's GPU because the peer's pool is
-    mapped from its IPC handle, which only that GPU's kernels can reach (launched from the
-    source GPU, Triton refused the pointer and a kernel given its address faulted, peer access
-    on or not); the kernel reads the local pool over NVLink instead."""
+    mapped from its IPC handle, which only that GPU's kernels reached on two H200s (launched
+    from the source GPU, Triton refused the pointer with peer access enabled before or after
+    the handle was opened, and a kernel given the address as an integer faulted); the kernel
+    reads the local pool over NVLink instead."""
     try:
         from pdserve.kernels.page_p2p_copy import PageCopier
     except ImportError as e:
