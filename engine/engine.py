@@ -14,6 +14,7 @@ from pdserve.engine.cpu_linear import pack_linear_weights
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.memory import KVMemory
 from pdserve.engine.model_runner import ModelRunner, default_attention_backend, num_kv_pages
+from pdserve.engine.models.layers import set_weight_layout
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class EngineConfig:
     # the C++ paged decode attention (engine/attention/cpu_decode.py). Off: plain torch only.
     cpu_kernels: bool = True
     cuda_graph_max_bs: int = 256
+    # CUDA: matmul weights stored column-major (engine/models/layers.py): faster at decode
+    # batch sizes, slower for prefill-sized matmuls, so decode-only workers turn it on.
+    column_major_weights: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -92,6 +96,8 @@ def build_engine_parts(config: EngineConfig, pool_buffer: torch.Tensor | None = 
         # Start building (or loading) the C++ decode kernel now, off this thread; decode uses
         # torch ops until it is ready.
         cpu_decode.load(block=False)
+    if device.type == "cuda" and config.column_major_weights:
+        set_weight_layout(model.projection_weights(), column_major=True)
     runner = ModelRunner(model, model_config, pool, backend)
     if device.type == "cuda" and not config.disable_cuda_graph:
         runner.enable_cuda_graph(min(config.cuda_graph_max_bs, config.scheduler.max_running))

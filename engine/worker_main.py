@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import sys
 
@@ -88,6 +89,8 @@ def transfer_config(args: argparse.Namespace):
 def _build(role: str, args: argparse.Namespace):
     """-> (service, kv_manager or None, closers)."""
     cfg = engine_config(args)
+    if role == "decode":  # decode-only: its matmuls are all decode-sized
+        cfg = dataclasses.replace(cfg, column_major_weights=True)
     closers = []
     kv = None
     shm = None

@@ -182,6 +182,7 @@ class Bench:
     def decode(self, name: str) -> None:
         from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
 
+        self.layout(column_major=True)  # as a decode worker stores them
         backend = make_backend(name, self.cfg)
         seqs = PagedSeqs(self.pool, backend, seed=1)
         iters = 10 if self.args.quick else 30
@@ -217,6 +218,35 @@ class Bench:
                      round(sec / piped, 3), "x")
         runner.graphs.clear()  # frees the graphs and their pool before the next section
         self._unfused_decode(name, backend, fbs[1], iters, graph_s)
+        self._gemm_choices(name, backend, fbs, iters)
+
+    def layout(self, column_major: bool) -> None:
+        from pdserve.engine.models.layers import set_weight_layout
+
+        set_weight_layout(self.model.projection_weights(), column_major)
+
+    def _gemm_choices(self, name: str, backend, fbs, iters: int) -> None:  # noqa: ANN001
+        """Decode steps (graphs, back to back) with the weights row-major and with cuBLAS
+        instead of cuBLASLt, against the defaults (column-major, cuBLASLt)."""
+        from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
+
+        batches = [b for b in self.batches if b <= 64]
+        times: dict[tuple[bool, str], dict[int, float]] = {}
+        for column_major, blas in ((True, "cublaslt"), (False, "cublaslt"), (True, "cublas")):
+            self.layout(column_major)
+            runner = CudaGraphDecodeRunner(self.model, self.pool, backend, max(batches), blas)
+            runner.capture()
+            times[column_major, blas] = {
+                b: timed_pipelined(lambda fb=fbs[b], r=runner: r.replay(fb).argmax(-1), iters)
+                for b in batches}
+            runner.graphs.clear()
+        self.layout(True)
+        base = times[True, "cublaslt"]
+        for b in batches:
+            self.rec(f"decode {name}", f"row-major / column-major weights step time bs={b}",
+                     round(times[False, "cublaslt"][b] / base[b], 3), "x")
+            self.rec(f"decode {name}", f"cuBLAS / cuBLASLt graphs step time bs={b}",
+                     round(times[True, "cublas"][b] / base[b], 3), "x")
 
     def _unfused_decode(self, name: str, backend, fb, iters: int, fused_s: float) -> None:  # noqa: ANN001
         """The same bs=1 CUDA-graph step with RMSNorm/residual, RoPE and SiLU-mul as plain torch."""
@@ -232,6 +262,7 @@ class Bench:
         runner.graphs.clear()
 
     def prefill(self, name: str) -> None:
+        self.layout(column_major=False)  # as a prefill worker stores them
         backend = make_backend(name, self.cfg)
         seqs = PagedSeqs(self.pool, backend, seed=2)
         t = 4096
@@ -265,6 +296,7 @@ class Bench:
         projections scaled by 1/sqrt(2 * layers) (GPT-2's init), where bf16 rounding noise is
         not amplified layer after layer."""
         layers = self.cfg.num_layers
+        self.layout(column_major=True)  # the decode worker's layout, under test here
         self._correctness(names, "flat init")
         with torch.no_grad():
             for layer in self.model.layers:
@@ -356,6 +388,7 @@ class Bench:
         from pdserve.engine.sampling_params import SamplingParams
         from pdserve.engine.scheduler import Scheduler
 
+        self.layout(column_major=True)
         runner = ModelRunner(self.model, self.cfg, self.pool, make_backend(name, self.cfg))
         runner.enable_cuda_graph(64)
         gen = torch.Generator().manual_seed(9)

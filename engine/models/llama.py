@@ -120,6 +120,13 @@ class LlamaForCausalLM(nn.Module):
             h, _ = self.norm(h[last], residual[last])
         return F.linear(h, self.lm_head).float()
 
+    def projection_weights(self) -> list[nn.Parameter]:
+        """The matmul weights: per layer qkv, o, gate_up, down; and an untied lm_head."""
+        ws = [w for layer in self.layers for w in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)]
+        return ws if self.config.tie_word_embeddings else [*ws, self.lm_head]
+
     # ---- weight loading: checkpoint (HF) names -> slices of our fused parameters ----
 
     def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:

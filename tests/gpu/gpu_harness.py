@@ -35,6 +35,7 @@ def small_config(num_layers: int = 2, heads: int = 8, kv_heads: int = 2) -> Mode
 @torch.no_grad()
 def random_model(cfg: ModelConfig, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
                  seed: int = 0) -> LlamaForCausalLM:
+    """Weights N(0, 0.02), norms 1; matmul weights row-major (`set_weight_layout` changes it)."""
     model = LlamaForCausalLM(cfg, dtype=dtype, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     for p in model.parameters():

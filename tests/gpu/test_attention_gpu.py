@@ -155,3 +155,55 @@ def test_cuda_graph_matches_eager(name: str, batch: int) -> None:
     assert worst < 1e-2, worst
     agree, counted = confident_agreement(eager_logits, logits, margin=0.05)
     assert agree == counted, (agree, counted)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_chunked_prefill_over_cached_prefix(name: str) -> None:
+    """Prompts prefilled in two chunks (the second over the first's cached KV: the paged path)
+    and whole (FlashInfer's ragged path when no prefix is cached): both match the torch
+    reference, logits of every chunk and of the decode steps after."""
+    from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+
+    model = random_model(small_config(), seed=4)
+    cfg = model.config
+    prompts = _prompts(4, 7)
+    cut = [max(1, len(p) // 3) for p in prompts]
+    results = {}
+    for which in ("torch", name):
+        backend = TorchAttentionBackend() if which == "torch" else _backend(name, cfg.num_heads)
+        pool = KVPool(256, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
+                      "cuda")
+        seqs = PagedSeqs(pool, backend, seed=5)
+        seqs.reset(len(prompts))
+        step = eager_step(model)
+        logits = [step(seqs.batch([p[:c] for p, c in zip(prompts, cut)])).float(),
+                  step(seqs.batch([p[c:] for p, c in zip(prompts, cut)])).float()]
+        for _ in range(3):
+            logits.append(step(seqs.batch([[5]] * len(prompts))).float())
+        whole = PagedSeqs(pool, backend, seed=6)
+        whole.reset(len(prompts))
+        logits.append(step(whole.batch(prompts)).float())
+        results[which] = logits
+    for got, ref in zip(results[name], results["torch"]):
+        assert rel_diff(got, ref) < 2e-2, rel_diff(got, ref)
+    # The second chunk ends where the whole prompt ends: same last-token logits.
+    assert rel_diff(results[name][1], results[name][-1]) < 2e-2
+
+
+def test_column_major_weights_match_row_major() -> None:
+    """A decode worker's layout (column-major matmul weights, cuBLASLt graphs) gives the logits
+    of the row-major model, eager and through CUDA graphs."""
+    from pdserve.engine.models.layers import set_weight_layout
+
+    model = random_model(small_config(), seed=3)
+    prompts = _prompts(3, 9)
+    ref_toks, ref_logits = _run(model, "triton", prompts, 8)
+    set_weight_layout(model.projection_weights(), column_major=True)
+    assert model.layers[0].mlp.down_proj.stride(0) == 1
+    forced = [t[:-1] for t in ref_toks]
+    for graph in (None, 8):
+        _, logits = _run(model, "triton", prompts, 8, forced=forced, graph_max_bs=graph)
+        worst = max(rel_diff(x, r) for x, r in zip(logits, ref_logits))
+        assert worst < 1e-2, (graph, worst)
+    set_weight_layout(model.projection_weights(), column_major=False)
+    assert model.layers[0].mlp.down_proj.is_contiguous()

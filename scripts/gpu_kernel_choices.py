@@ -1,0 +1,309 @@
+#!/usr/bin/env python3
+"""Which kernel variant is fastest for each shape of the Llama-3-8B decode and prefill paths,
+measured on the GPU in one run (the choices the engine makes are checked against these):
+
+- linear layers at M = 1 / 8 / 64 / 256 rows (and 4096, prefill, but for lm_head): F.linear on
+  the [N, K] weight and a matmul on a [K, N] copy (= a column-major weight), each with cuBLAS
+  and with cuBLASLt preferred; weights cycled through enough copies that L2 (50 MB on an H200)
+  never holds them;
+- decode attention at batch 1 / 64 / 256, context 1k, over the 32 layers of a paged pool:
+  FlashInfer with and without tensor cores, our Triton split-KV kernel at several split counts;
+- prefill attention over 4096 tokens: FlashInfer paged and ragged, backends auto / fa2 / fa3;
+- a whole 4096-token prefill (row- and column-major weights): host time of planning and of
+  enqueueing against GPU time, kernel time by kernel, and the idle gaps between GPU operations.
+
+usage: python scripts/gpu_kernel_choices.py [--only linear,decode,prefill]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+OUT = os.environ.get("OUT")
+
+
+def emit(**row: object) -> None:
+    line = json.dumps(row)
+    print(line, flush=True)
+    if OUT:
+        with open(os.path.join(OUT, "kernel_choices.jsonl"), "a") as f:
+            f.write(line + "\n")
+
+
+def graph_time(fn, calls: int, reps: int = 7) -> float:  # noqa: ANN001
+    """Seconds per call of `fn(i)` for i in range(calls), captured in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / calls)
+    del g
+    return sorted(times)[len(times) // 2]
+
+
+def event_time(fn, iters: int = 10) -> float:  # noqa: ANN001
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336), "lm_head": (128256, 4096)}
+
+
+def linear_choices() -> None:
+    dt = torch.bfloat16
+    for name, (n, k) in SHAPES.items():
+        wbytes = n * k * 2
+        copies = max(2, -(-400_000_000 // wbytes))
+        ws = [torch.randn(n, k, device="cuda", dtype=dt) * 0.02 for _ in range(copies)]
+        wts = [w.t().contiguous() for w in ws]
+        for m in (1, 8, 64, 256) if name == "lm_head" else (1, 8, 64, 256, 4096):
+            x = torch.randn(m, k, device="cuda", dtype=dt)
+            out = torch.empty(m, n, device="cuda", dtype=dt)
+            calls = copies * 3
+            variants = {
+                "linear": lambda i, x=x, ws=ws, out=out: torch.matmul(x, ws[i % len(ws)].t(),
+                                                                      out=out),
+                "mm_kn": lambda i, x=x, wts=wts, out=out: torch.matmul(x, wts[i % len(wts)],
+                                                                       out=out),
+            }
+            res = {}
+            for vname, fn in variants.items():
+                res[vname] = graph_time(fn, calls)
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            try:
+                res["linear_lt"] = graph_time(variants["linear"], calls)
+                res["mm_kn_lt"] = graph_time(variants["mm_kn"], calls)
+            finally:
+                torch.backends.cuda.preferred_blas_library("cublas")
+            ref = F.linear(x, ws[0])
+            torch.matmul(x, wts[0], out=out)
+            err = float((out.float() - ref.float()).abs().max())
+            for vname, sec in res.items():
+                emit(exp="linear", shape=name, m=m, variant=vname, us=round(sec * 1e6, 2),
+                     gbps=round(wbytes / sec / 1e9, 1),
+                     tflops=round(2 * m * n * k / sec / 1e12, 1), max_diff_vs_linear=err)
+
+        torch.cuda.empty_cache()
+
+
+def decode_choices() -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "tests", "gpu"))
+    from gpu_harness import PagedSeqs
+
+    from pdserve.engine.attention.flashinfer_backend import page_tables
+    from pdserve.engine.attention.triton_backend import TritonAttentionBackend
+    from pdserve.engine.kv_pool import KVPool
+    from pdserve.kernels.decode_attention import decode_attention, default_num_splits
+
+    layers, hq, hk, d, ctx = 32, 32, 8, 128, 1024
+    pool = KVPool(256 * (ctx // 16) + 64, layers, 16, hk, d, torch.bfloat16, "cuda")
+    pool.buffer.normal_()
+    seqs = PagedSeqs(pool, TritonAttentionBackend("cuda"), seed=1)
+    import flashinfer
+
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    for bs in (1, 8, 64, 256):
+        seqs.pretend_context(bs, ctx - 1)
+        fb = seqs.batch([[7]] * bs)
+        q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16)
+        kvbytes = bs * ctx * layers * 2 * hk * d * 2
+        views = [(pool.k_view(i), pool.v_view(i)) for i in range(layers)]
+        res = {}
+        ref = None
+        for tc in (False, True):
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+            indptr, idx, last = page_tables(fb, torch.device("cuda"))
+            w.plan(indptr, idx, last, hq, hk, d, 16, q_data_type=torch.bfloat16,
+                   kv_data_type=torch.bfloat16, sm_scale=d**-0.5)
+            res[f"flashinfer_tc{int(tc)}"] = graph_time(
+                lambda i, w=w, q=q, views=views: w.run(q, views[i]), layers)
+            ref = w.run(q, views[0]) if ref is None else ref
+        default = default_num_splits(bs, hk, torch.cuda.get_device_properties(0)
+                                     .multi_processor_count)
+        for splits in sorted({default, 4, 8, 16, 32}):
+            def run(i, s=splits, q=q, views=views, fb=fb):  # noqa: ANN001, ANN202
+                return decode_attention(q, *views[i], fb.kv_indptr, fb.kv_indices, d**-0.5,
+                                        num_splits=s)
+            res[f"triton_s{splits}{'*' if splits == default else ''}"] = graph_time(run, layers)
+            diff = float((run(0).float() - ref.float()).abs().max())
+            emit(exp="decode_check", bs=bs, splits=splits, max_diff_vs_flashinfer=diff)
+        for vname, sec in res.items():
+            emit(exp="decode_attn", bs=bs, ctx=ctx, variant=vname, us_per_layer=round(sec * 1e6, 2),
+                 kv_tbps=round(kvbytes / layers / sec / 1e12, 2))
+
+
+def prefill_choices() -> None:
+    import flashinfer
+
+    from pdserve.engine.kv_pool import KVPool
+
+    t, hq, hk, d, ps = 4096, 32, 8, 128, 16
+    pool = KVPool(t // ps + 64, 1, ps, hk, d, torch.bfloat16, "cuda")
+    gen = torch.Generator().manual_seed(0)
+    pages = (torch.randperm(pool.num_pages - 1, generator=gen)[: t // ps] + 1).to(torch.int32)
+    q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
+    kc, vc = pool.k_view(0), pool.v_view(0)
+    kc[pages.long()] = k.view(t // ps, ps, hk, d)
+    vc[pages.long()] = v.view(t // ps, ps, hk, d)
+    flops = 2 * 2 * hq * d * t * (t + 1) / 2
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    qo = torch.tensor([0, t], dtype=torch.int32)
+    ref = None
+    for kind in ("paged", "ragged"):
+        for backend in ("auto", "fa2", "fa3"):
+            t0 = time.perf_counter()
+            try:
+                if kind == "paged":
+                    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+                    w.plan(qo, torch.tensor([0, t // ps], dtype=torch.int32), pages.cuda(),
+                           torch.tensor([ps], dtype=torch.int32), hq, hk, d, ps, causal=True,
+                           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                           sm_scale=d**-0.5)
+                    fn = lambda w=w: w.run(q, (kc, vc))  # noqa: E731
+                else:
+                    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+                    w.plan(qo, qo, hq, hk, d, causal=True, q_data_type=torch.bfloat16,
+                           kv_data_type=torch.bfloat16, sm_scale=d**-0.5)
+                    fn = lambda w=w: w.run(q, k, v)  # noqa: E731
+                o = fn()
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t0
+                sec = event_time(fn)
+                ref = o if ref is None else ref
+                emit(exp="prefill_attn", kind=kind, backend=backend,
+                     chosen=str(getattr(w, "_backend", "?")), ms=round(sec * 1e3, 3),
+                     tflops=round(flops / sec / 1e12, 1), first_call_s=round(first, 1),
+                     max_diff=float((o.float() - ref.float()).abs().max()))
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                emit(exp="prefill_attn", kind=kind, backend=backend, error=str(e)[:300])
+
+
+def gaps(fn, name: str, layout: str) -> None:  # noqa: ANN001
+    """Idle time between consecutive GPU operations of one call of `fn`: total and largest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ev = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA)
+    holes = [(b[0] - a[1], a[2], b[2]) for a, b in zip(ev, ev[1:]) if b[0] > a[1]]
+    emit(exp="prefill_gaps", backend=name, weights=layout, ops=len(ev),
+         span_ms=round((ev[-1][1] - ev[0][0]) / 1e3, 2),
+         idle_ms=round(sum(h[0] for h in holes) / 1e3, 3),
+         largest=[(round(h[0], 1), h[1], h[2]) for h in sorted(holes, reverse=True)[:8]])
+
+
+def prefill_model() -> None:
+    """Host time of planning and of enqueueing a 4096-token prefill against its GPU time, and
+    the kernel time by kernel: where the gaps between kernels come from."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [here, os.path.join(here, "..", "tests", "gpu")]
+    from gpu_bench import make_backend
+    from gpu_harness import PagedSeqs, llama3_8b_config, random_model
+    from gpu_profile import kernel_table
+
+    from pdserve.engine.kv_pool import KVPool
+    from pdserve.engine.models.layers import set_weight_layout
+
+    cfg = llama3_8b_config()
+    model = random_model(cfg)
+    pool = KVPool(4096 // 16 + 64, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim,
+                  torch.bfloat16, "cuda")
+    for name, layout in (("flashinfer", "row"), ("flashinfer", "column"), ("triton", "row")):
+        set_weight_layout(model.projection_weights(), column_major=layout == "column")
+        backend = make_backend(name, cfg)
+        seqs = PagedSeqs(pool, backend, seed=2)
+        seqs.reset(1)
+        fb = seqs.batch([list(range(4096))])
+
+        def run(fb=fb, backend=backend) -> None:  # noqa: ANN001
+            backend.init_forward(fb)
+            model(fb)
+
+        gpu = event_time(run, 5)
+        host = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            backend.init_forward(fb)
+            t1 = time.perf_counter()
+            model(fb)
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            host.append((t1 - t0, t2 - t1, time.perf_counter() - t0))
+        host.sort(key=lambda h: h[2])
+        plan_s, enqueue_s, wall_s = host[len(host) // 2]
+        rows = kernel_table(run)
+        kernel_ms = sum(r[2] for r in rows)
+        gaps(run, name, layout)
+        emit(exp="prefill_model", backend=name, weights=layout, gpu_ms=round(gpu * 1e3, 2),
+             plan_host_ms=round(plan_s * 1e3, 2), enqueue_host_ms=round(enqueue_s * 1e3, 2),
+             wall_ms=round(wall_s * 1e3, 2), kernel_ms=round(kernel_ms, 2),
+             kernels=sum(r[1] for r in rows))
+        for n, c, ms in rows[:16]:
+            emit(exp="prefill_kernels", backend=name, weights=layout, kernel=n, count=c,
+                 ms=round(ms, 3))
+
+    torch.cuda.empty_cache()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="linear,decode,prefill_model,prefill")
+    args = p.parse_args()
+    fns = {"linear": linear_choices, "decode": decode_choices, "prefill": prefill_choices,
+           "prefill_model": prefill_model}
+    for name in args.only.split(","):
+        t0 = time.perf_counter()
+        print(f"== {name}", flush=True)
+        try:
+            fns[name]()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+        print(f"== {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
