@@ -250,9 +250,11 @@ def prefill_model() -> None:
     model = random_model(cfg)
     pool = KVPool(4096 // 16 + 64, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim,
                   torch.bfloat16, "cuda")
-    for name, layout in (("flashinfer", "row"), ("flashinfer", "column"), ("triton", "row")):
+    for name, layout in (("flashinfer", "row"), ("flashinfer-planned-first", "row")):
         set_weight_layout(model.projection_weights(), column_major=layout == "column")
-        backend = make_backend(name, cfg)
+        backend = make_backend(name.split("-")[0], cfg)
+        if name.endswith("planned-first"):
+            backend.lazy_extend_plan = False
         seqs = PagedSeqs(pool, backend, seed=2)
         seqs.reset(1)
         fb = seqs.batch([list(range(4096))])

@@ -1,11 +1,11 @@
 """Attention through FlashInfer's paged wrappers, reading the page-major pool's per-layer views.
 
-Plan once per batch, at the first layer's attention (the GPU is busy with the embedding and the
-first projections meanwhile), run once per layer. EXTEND with no cached prefix in the batch (a
-fresh prefill) uses BatchPrefillWithRaggedKVCacheWrapper on the new K/V as they come out of the
-projection (causal; they are still stored into the pool for decode and transfer): it needs no
-page tables and reads contiguous rows, 1.23x faster than the paged kernel on a 4096-token
-prompt on an H200 (docs/performance.md). EXTEND over a cached prefix uses
+Plan once per batch (an extend batch at the first layer's attention, the GPU busy with the
+embedding and the first projections meanwhile), run once per layer. EXTEND with no cached
+prefix in the batch (a fresh prefill) uses BatchPrefillWithRaggedKVCacheWrapper on the new K/V
+as they come out of the projection (causal; they are still stored into the pool for decode and
+transfer): it needs no page tables and reads contiguous rows, 1.23x faster than the paged
+kernel on a 4096-token prompt on an H200 (docs/performance.md). EXTEND over a cached prefix uses
 BatchPrefillWithPagedKVCacheWrapper (causal, over prefix + new tokens, whose K/V are stored
 first); DECODE uses BatchDecodeWithPagedKVCacheWrapper, with tensor cores when the GQA group
 is >= 4. FlashInfer picks its FA3 kernels on Hopper for both prefill wrappers.
@@ -85,6 +85,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._planned: ForwardBatch | None = None
         self._wrapper: object | None = None
         self._scale = 0.0
+        self.lazy_extend_plan = True
 
     @staticmethod
     def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
@@ -103,9 +104,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         return self._decode[tensor_cores]
 
     def init_forward(self, fb: ForwardBatch) -> None:
-        """Planning waits for the first layer's attention: by then the embedding and the first
-        projections are queued, so the GPU works while the host plans."""
+        """Plans a decode batch now; an extend batch waits for the first layer's attention (by
+        then the embedding and the first projections are queued, so the GPU works while the
+        host plans), unless `lazy_extend_plan` is off."""
         self._fb = fb
+        if self.num_heads is not None and (fb.mode == ForwardMode.DECODE
+                                           or not self.lazy_extend_plan):
+            self.plan(fb, self.num_heads, fb.kv_pool.head_dim**-0.5)
 
     def plan(self, fb: ForwardBatch, num_heads: int, scale: float) -> None:
         pool = fb.kv_pool
