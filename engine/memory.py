@@ -99,12 +99,15 @@ class KVMemory:
             need = sum(1 for r in reqs if r.kv_len % self.page_size == 0) * self.page_size
             if not self.ensure_free_tokens(need):
                 return False
-        seq_lens = [r.kv_len + 1 for r in reqs]
-        slots = self.allocator.alloc_decode(seq_lens, [self._last_loc(r) for r in reqs])
+        rows = [r.req_pool_idx for r in reqs]
+        kv_lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        # Each request's last slot (-1 for one with no KV yet), gathered in one indexing op.
+        last = self.req_to_token.read_tokens(rows, (kv_lens - 1).clamp_min(0))
+        last = torch.where(kv_lens > 0, last, -1)
+        slots = self.allocator.alloc_decode((kv_lens + 1).tolist(), last.tolist())
         if slots is None:
             return False
-        for r, s in zip(reqs, slots):
-            self.req_to_token.write(r.req_pool_idx, r.kv_len, s.reshape(1))
+        self.req_to_token.write_tokens(rows, kv_lens, slots)
         return True
 
     # ---- release ------------------------------------------------------------------------------

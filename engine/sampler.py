@@ -99,9 +99,6 @@ class SamplingBatch:
             raise ValueError(f"vocab_size: must be positive, got {vocab_size}")
         device = torch.device(device)
 
-        def vec(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return to_device(torch.tensor(values, dtype=dtype), device)  # no wait for the GPU
-
         greedy = [p.greedy for p in params]
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         use_rep = any(p.repetition_penalty != 1.0 for p in params)
@@ -118,19 +115,28 @@ class SamplingBatch:
                     for p in params]
             stop_mask = _token_counts(rows, vocab_size, device) > 0
         logprob_ks = [p.logprobs for p in params if p.logprobs is not None]
+        # Two uploads (one per dtype) instead of one per field: each costs host time per step.
+        floats = to_device(torch.tensor(
+            [[1.0 if g else p.temperature for g, p in zip(greedy, params)],
+             [p.top_p for p in params], [p.min_p for p in params],
+             [p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+             [p.presence_penalty for p in params], [float(g) for g in greedy]],
+            dtype=torch.float32).reshape(7, len(params)), device)
+        ints = to_device(torch.tensor(
+            [top_ks, [p.min_tokens for p in params], [len(o) for o in output_ids]],
+            dtype=torch.int64).reshape(3, len(params)), device)
         return cls(
             vocab_size=vocab_size,
-            temperatures=vec([1.0 if g else p.temperature for g, p in zip(greedy, params)],
-                             torch.float32),
-            greedy=vec(greedy, torch.bool),
-            top_ks=vec(top_ks, torch.int64),
-            top_ps=vec([p.top_p for p in params], torch.float32),
-            min_ps=vec([p.min_p for p in params], torch.float32),
-            repetition_penalties=vec([p.repetition_penalty for p in params], torch.float32),
-            frequency_penalties=vec([p.frequency_penalty for p in params], torch.float32),
-            presence_penalties=vec([p.presence_penalty for p in params], torch.float32),
-            min_tokens=vec([p.min_tokens for p in params], torch.int64),
-            output_lens=vec([len(o) for o in output_ids], torch.int64),
+            temperatures=floats[0],
+            greedy=floats[6] > 0.5,
+            top_ks=ints[0],
+            top_ps=floats[1],
+            min_ps=floats[2],
+            repetition_penalties=floats[3],
+            frequency_penalties=floats[4],
+            presence_penalties=floats[5],
+            min_tokens=ints[1],
+            output_lens=ints[2],
             prompt_mask=prompt_mask,
             output_counts=output_counts,
             stop_mask=stop_mask,

@@ -56,27 +56,38 @@ class ScheduleBatch:
             ids = [r.output_ids[-1] if r.output_ids else r.input_ids[-1] for r in self.reqs]
         seq_lens = [s + n for s, n in zip(starts, lens)]
         rows = [r.req_pool_idx for r in self.reqs]
-        kv_indices = torch.cat([req_to_token[row, :sl] for row, sl in zip(rows, seq_lens)])
-        out_loc = torch.cat([req_to_token[row, s:s + n] for row, s, n in zip(rows, starts, lens)])
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        if self.mode == ForwardMode.EXTEND:
+            kv_indices = torch.cat([req_to_token[row, :sl] for row, sl in zip(rows, seq_lens)])
+            out_loc = torch.cat([req_to_token[row, s:s + n]
+                                 for row, s, n in zip(rows, starts, lens)])
+            positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        else:
+            # One token per request: the rows' prefixes gathered with one mask, not a slice
+            # per request (those slices took ~1.7 ms of host time per step at batch 64).
+            positions = torch.tensor(starts, dtype=torch.int64)
+            seq_t = positions + 1
+            width = max(seq_lens, default=0)
+            block = req_to_token[rows, :width]
+            kv_indices = block[torch.arange(width) < seq_t[:, None]]
+            out_loc = block[torch.arange(len(rows)), positions] if rows else positions
         indptr = torch.zeros(len(rows) + 1, dtype=torch.int64)
         indptr[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int64), 0)
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            return to_device(t, device)
-
-        def i64(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64)
-
+        # Every index tensor in one pinned host buffer and one upload, then split on the device.
+        parts = [torch.tensor(ids, dtype=torch.int64), positions, out_loc,
+                 torch.tensor(seq_lens, dtype=torch.int64), torch.tensor(starts, dtype=torch.int64),
+                 torch.tensor(lens, dtype=torch.int64), indptr, kv_indices]
+        (input_ids, positions_d, out_loc_d, seq_lens_d, prefix_d, ext_d, indptr_d,
+         kv_indices_d) = to_device(torch.cat(parts), device).split([t.numel() for t in parts])
         return ForwardBatch(
             mode=self.mode,
-            input_ids=dev(i64(ids)),
-            positions=dev(positions),
-            out_cache_loc=dev(out_loc),
-            seq_lens=dev(i64(seq_lens)),
-            prefix_lens=dev(i64(starts)),
-            extend_lens=dev(i64(lens)),
-            kv_indptr=dev(indptr),
-            kv_indices=dev(kv_indices),
+            input_ids=input_ids,
+            positions=positions_d,
+            out_cache_loc=out_loc_d,
+            seq_lens=seq_lens_d,
+            prefix_lens=prefix_d,
+            extend_lens=ext_d,
+            kv_indptr=indptr_d,
+            kv_indices=kv_indices_d,
             kv_pool=kv_pool,
             attn_backend=attn_backend,
             seq_lens_cpu=seq_lens,

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Host time of the real decode loop (Scheduler -> ModelRunner -> CUDA graph -> sampler) on
+the random-weight Llama-3-8B-shaped model: ms per step with overlap on and off, and a cProfile
+of a third, overlapped run (functions by own time and by cumulative time). When the host needs
+longer per step than the GPU, overlap cannot hide it: this says where that time goes.
+
+usage: python scripts/gpu_loop_profile.py [--backend flashinfer] [--batches 1,64] [--steps 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+from gpu_harness import llama3_8b_config, random_model  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="flashinfer")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--top", type=int, default=28, help="functions listed per profile")
+    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--context", type=int, default=1024)
+    args = p.parse_args()
+
+    from pdserve.engine.kv_pool import KVPool
+    from pdserve.engine.model_runner import ModelRunner, default_attention_backend
+    from pdserve.engine.models.layers import set_weight_layout
+
+    cfg = llama3_8b_config()
+    model = random_model(cfg)
+    set_weight_layout(model.projection_weights(), column_major=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    ctx, steps = args.context, args.steps
+    pool = KVPool(max(batches) * -(-(ctx + steps + 8) // 16) + 64, cfg.num_layers, 16,
+                  cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda")
+    backend = default_attention_backend(torch.device("cuda"), args.backend,
+                                        num_heads=cfg.num_heads)
+    runner = ModelRunner(model, cfg, pool, backend)
+    runner.enable_cuda_graph(max(batches))
+    for bs in batches:
+        profile_loop(runner, pool, cfg, bs, ctx, steps, args)
+    return 0
+
+
+def profile_loop(runner, pool, cfg, bs: int, ctx: int, steps: int, args) -> None:  # noqa: ANN001
+    from pdserve.engine.config import SchedulerConfig
+    from pdserve.engine.memory import KVMemory
+    from pdserve.engine.req import Req
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.scheduler import Scheduler
+
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, cfg.vocab_size, (ctx - 1,), generator=gen).tolist()
+               for _ in range(bs)]
+    for on, profiled in ((False, False), (True, False), (True, True)):
+        memory = KVMemory(pool, bs + 8, ctx + steps + 8, True)
+        sched = Scheduler(runner, memory, SchedulerConfig(
+            max_running=bs, chunked_prefill_size=8192, overlap_schedule=on))
+        sp = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            sched.add(Req(f"r{i}", prompt, sp))
+        while sched.waiting or sched.chunked is not None:
+            sched.step()
+        for _ in range(3):
+            sched.step()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile() if profiled else None
+        n = 0
+        t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        while sched.has_work:
+            sched.step()
+            n += 1
+        if prof is not None:
+            prof.disable()
+        torch.cuda.synchronize()
+        per = (time.perf_counter() - t0) / max(n, 1)
+        label = ("on" if on else "off") + (", under cProfile" if profiled else "")
+        print(f"== overlap {label}: {per * 1e3:.3f} ms per step over {n} steps "
+              f"(bs={bs}, ctx={ctx}, {args.backend})", flush=True)
+        if prof is not None:
+            for key in ("tottime", "cumtime"):
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.top)
+                print(f"-- by {key} (cProfile slows the loop; shares matter, not totals)")
+                print("\n".join(out.getvalue().splitlines()[6:8 + args.top]), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
