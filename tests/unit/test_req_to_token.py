@@ -66,3 +66,21 @@ def test_random_alloc_free_keeps_rows_unique() -> None:
                 held.add(row)
         assert pool.num_free + len(held) == 8
         assert all(not pool.is_free(r) for r in held)
+
+
+def test_write_and_read_tokens_one_per_row() -> None:
+    """The batched forms (a decode step's slots) match per-row writes and reads, and refuse
+    free rows and positions outside the table."""
+    pool = ReqToTokenPool(4, 8)
+    rows = [pool.alloc() for _ in range(3)]
+    pos = torch.tensor([0, 5, 7])
+    pool.write_tokens(rows, pos, torch.tensor([10, 11, 12], dtype=torch.int32))
+    assert [pool.read(r, p, p + 1).item() for r, p in zip(rows, pos.tolist())] == [10, 11, 12]
+    assert pool.read_tokens(rows, pos).tolist() == [10, 11, 12]
+    with pytest.raises(ValueError, match="positions"):
+        pool.write_tokens(rows, torch.tensor([0, 1, 8]), torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="positions"):
+        pool.read_tokens(rows, torch.tensor([-1, 0, 0]))
+    pool.free(rows[1])
+    with pytest.raises(RuntimeError, match="free request row"):
+        pool.read_tokens(rows, pos)
