@@ -71,8 +71,18 @@ def summarize(lines: list[str]) -> dict[str, float]:
     return {key: round(sorted(v)[len(v) // 2], 3) for key, v in values.items()}
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """`pdserve kvtrace LOG`: the stage medians of a PDSERVE_KV_TRACE=1 log, as JSON."""
+    import argparse
     import json
 
-    with open(sys.argv[1], errors="replace") as f:
+    p = argparse.ArgumentParser(prog="pdserve kvtrace", description=main.__doc__)
+    p.add_argument("log", help="stderr of a run with PDSERVE_KV_TRACE=1")
+    args = p.parse_args(argv)
+    with open(args.log, errors="replace") as f:
         print(json.dumps(summarize(f.read().replace("\r", "\n").splitlines())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

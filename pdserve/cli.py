@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "mixed": ("pdserve.decode.mixed_main", "run a worker doing prefill and decode (no transfer)"),
     "generate": ("pdserve.engine.generate_cli", "offline generation from a JSONL prompt file"),
     "kvbench": ("pdserve.kvtransfer.bench", "benchmark KV page transfer between two processes"),
+    "kvtrace": ("pdserve.kvtransfer.trace", "stage medians of a PDSERVE_KV_TRACE=1 log"),
     "bench": ("pdserve.router.bench", "serving load generator (TTFT, ITL, goodput)"),
 }
 

@@ -21,3 +21,14 @@ def test_summary_takes_medians_between_the_stages_each_room_passed() -> None:
     assert out["launched->success"] == round(3.0 - 0.1 - 0.7, 3)
     assert out["gpu_copy_ms"] == 1.5
     assert "launched->notified" not in out
+
+
+def test_pdserve_kvtrace_prints_the_summary(tmp_path, capsys) -> None:  # noqa: ANN001
+    import json
+
+    from pdserve.cli import main
+
+    log = tmp_path / "trace.log"
+    log.write_text("kvtrace send 7 1.000000\nkvtrace success 7 1.002500\n")
+    assert main(["kvtrace", str(log)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"send->success": 2.5}
