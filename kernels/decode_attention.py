@@ -97,12 +97,19 @@ def _decode_stage2(
 
 
 def default_num_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
-    """Enough (batch x kv_head x split) programs to fill the SMs ~4 times, a power of two <= 32.
+    """About one (batch x kv_head x split) program per SM when the batch is small (a power of
+    two <= 16), and never fewer than 8 splits on a large GPU.
 
-    A function of the batch size only, so one CUDA graph per batch size fixes it.
+    Measured on an H200 (132 SMs, 8 KV heads, context 1k; docs/performance.md): the best split
+    counts were 16 at batch 1 and 8 at batches 8, 64 and 256, where more programs per sequence
+    keep more loads in flight; the rule before (programs ~4x the SMs, <= 32) picked 32, 16, 2
+    and 1, up to 1.07x slower. A function of the batch size only, so one CUDA graph per batch
+    size fixes it.
     """
-    want = -(-4 * num_sms // max(1, batch_size * num_kv_heads))
-    return max(1, min(32, triton.next_power_of_2(want)))
+    per_sm = num_sms // max(1, batch_size * num_kv_heads)
+    fill = 1 << (per_sm.bit_length() - 1) if per_sm > 0 else 1  # largest power of two <= it
+    floor = min(8, max(1, num_sms // 16))
+    return max(floor, min(16, fill))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
