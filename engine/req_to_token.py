@@ -71,25 +71,22 @@ class ReqToTokenPool:
     def write_tokens(self, rows: list[int], positions: torch.Tensor, slots: torch.Tensor) -> None:
         """One slot per row: `table[rows[i], positions[i]] = slots[i]` (a decode step's new
         tokens), in one indexed store."""
-        self._check_held(rows)
-        if positions.numel() and (int(positions.min()) < 0
-                                  or int(positions.max()) >= self.max_context_len):
-            raise ValueError(f"positions: outside max_context_len {self.max_context_len}")
+        self._check_tokens(rows, positions)
         self.table[rows, positions] = slots.reshape(-1).to(self.device, torch.int64)
 
     def read_tokens(self, rows: list[int], positions: torch.Tensor) -> torch.Tensor:
         """`table[rows[i], positions[i]]` for each i (a copy)."""
-        self._check_held(rows)
-        if positions.numel() and (int(positions.min()) < 0
-                                  or int(positions.max()) >= self.max_context_len):
-            raise ValueError(f"positions: outside max_context_len {self.max_context_len}")
+        self._check_tokens(rows, positions)
         return self.table[rows, positions]
 
-    def _check_held(self, rows: list[int]) -> None:
+    def _check_tokens(self, rows: list[int], positions: torch.Tensor) -> None:
         for row in rows:
             self._check_row(row)
             if self._is_free[row]:
                 raise RuntimeError(f"row: access to free request row {row}")
+        if positions.numel() and (int(positions.min()) < 0
+                                  or int(positions.max()) >= self.max_context_len):
+            raise ValueError(f"positions: outside max_context_len {self.max_context_len}")
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """Slots of tokens [start, end) of `row` (a view into the table)."""

@@ -56,6 +56,8 @@ class ScheduleBatch:
             ids = [r.output_ids[-1] if r.output_ids else r.input_ids[-1] for r in self.reqs]
         seq_lens = [s + n for s, n in zip(starts, lens)]
         rows = [r.req_pool_idx for r in self.reqs]
+        starts_t, lens_t, seq_t = (torch.tensor(v, dtype=torch.int64)
+                                   for v in (starts, lens, seq_lens))
         if self.mode == ForwardMode.EXTEND:
             kv_indices = torch.cat([req_to_token[row, :sl] for row, sl in zip(rows, seq_lens)])
             out_loc = torch.cat([req_to_token[row, s:s + n]
@@ -64,18 +66,15 @@ class ScheduleBatch:
         else:
             # One token per request: the rows' prefixes gathered with one mask, not a slice
             # per request (those slices took ~1.7 ms of host time per step at batch 64).
-            positions = torch.tensor(starts, dtype=torch.int64)
-            seq_t = positions + 1
-            width = max(seq_lens, default=0)
-            block = req_to_token[rows, :width]
-            kv_indices = block[torch.arange(width) < seq_t[:, None]]
-            out_loc = block[torch.arange(len(rows)), positions] if rows else positions
+            positions = starts_t
+            block = req_to_token[rows, :max(seq_lens, default=0)]
+            kv_indices = block[torch.arange(block.shape[1]) < seq_t[:, None]]
+            out_loc = block[torch.arange(len(rows)), positions]
         indptr = torch.zeros(len(rows) + 1, dtype=torch.int64)
-        indptr[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int64), 0)
+        torch.cumsum(seq_t, 0, out=indptr[1:])
         # Every index tensor in one pinned host buffer and one upload, then split on the device.
-        parts = [torch.tensor(ids, dtype=torch.int64), positions, out_loc,
-                 torch.tensor(seq_lens, dtype=torch.int64), torch.tensor(starts, dtype=torch.int64),
-                 torch.tensor(lens, dtype=torch.int64), indptr, kv_indices]
+        parts = [torch.tensor(ids, dtype=torch.int64), positions, out_loc, seq_t, starts_t,
+                 lens_t, indptr, kv_indices]
         (input_ids, positions_d, out_loc_d, seq_lens_d, prefix_d, ext_d, indptr_d,
          kv_indices_d) = to_device(torch.cat(parts), device).split([t.numel() for t in parts])
         return ForwardBatch(

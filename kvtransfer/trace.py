@@ -2,7 +2,7 @@
 
 `PDSERVE_KV_TRACE=1` makes both sides print `kvtrace <stage> <room> <monotonic s>` lines to
 stderr (CLOCK_MONOTONIC is host-wide, so a prefill and a decode process on one host compare);
-`python -m pdserve.kvtransfer.trace LOG` prints the median time between stages, e.g. after
+`pdserve kvtrace LOG` prints the median time between stages, e.g. after
 `PDSERVE_KV_TRACE=1 pdserve kvbench ... 2> LOG`. Off, a stage costs one boolean test.
 """
 

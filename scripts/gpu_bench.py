@@ -110,6 +110,44 @@ def timed_pipelined(fn: Callable[[], object], iters: int, warmup: int = 3) -> fl
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def run_decode_loop(runner, pool, prompts: list[list[int]], steps: int, overlap: bool,  # noqa: ANN001
+                    warm_steps: int = 0, profiler=None) -> tuple[float, int, list]:  # noqa: ANN001
+    """The real decode loop (Scheduler -> ModelRunner -> CUDA graph -> sampler) over `prompts`,
+    greedy, `steps` tokens after the prefill's first: prefills them, runs `warm_steps` steps,
+    then times the rest. Returns (seconds, step() calls timed, the requests). `profiler` (a
+    cProfile.Profile) is enabled around the timed part only."""
+    from pdserve.engine.config import SchedulerConfig
+    from pdserve.engine.memory import KVMemory
+    from pdserve.engine.req import Req
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.scheduler import Scheduler
+
+    bs, ctx = len(prompts), max(len(p) for p in prompts) + 1
+    memory = KVMemory(pool, bs + 8, ctx + steps + 8, True)
+    sched = Scheduler(runner, memory, SchedulerConfig(
+        max_running=bs, chunked_prefill_size=8192, overlap_schedule=overlap))
+    sp = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    reqs = [Req(f"b{i}", p, sp) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add(r)
+    while sched.waiting or sched.chunked is not None:
+        sched.step()
+    for _ in range(warm_steps):
+        sched.step()
+    torch.cuda.synchronize()
+    calls = 0
+    t0 = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    while sched.has_work:
+        sched.step()
+        calls += 1
+    if profiler is not None:
+        profiler.disable()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, calls, reqs
+
+
 def copy_bandwidth(rec: Recorder) -> float:
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -381,12 +419,7 @@ class Bench:
     def overlap(self, name: str) -> None:
         """The real decode loop (Scheduler -> ModelRunner -> CUDA graph -> sampler), with
         overlap scheduling on and off: ms per decode step over 64 steps of a full batch."""
-        from pdserve.engine.config import SchedulerConfig
-        from pdserve.engine.memory import KVMemory
         from pdserve.engine.model_runner import ModelRunner
-        from pdserve.engine.req import Req
-        from pdserve.engine.sampling_params import SamplingParams
-        from pdserve.engine.scheduler import Scheduler
 
         self.layout(column_major=True)
         runner = ModelRunner(self.model, self.cfg, self.pool, make_backend(name, self.cfg))
@@ -398,21 +431,8 @@ class Bench:
                        for _ in range(bs)]
             per_step = {}
             for on in (True, False):
-                memory = KVMemory(self.pool, bs + 8, ctx + steps + 8, True)
-                sched = Scheduler(runner, memory, SchedulerConfig(
-                    max_running=bs, chunked_prefill_size=8192, overlap_schedule=on))
-                sp = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
-                reqs = [Req(f"b{i}", p, sp) for i, p in enumerate(prompts)]
-                for r in reqs:
-                    sched.add(r)
-                while sched.waiting or sched.chunked is not None:
-                    sched.step()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                while sched.has_work:
-                    sched.step()
-                torch.cuda.synchronize()
-                per_step[on] = (time.perf_counter() - t0) / steps
+                sec, _, reqs = run_decode_loop(runner, self.pool, prompts, steps, on)
+                per_step[on] = sec / steps
                 assert all(len(r.output_ids) == steps + 1 for r in reqs)
                 label = "on" if on else "off"
                 self.report_decode(name, f"scheduler loop, overlap {label},", bs, per_step[on])

@@ -27,6 +27,10 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "tests", "gpu")]  # also under python -P
+from gpu_bench import make_backend, timed  # noqa: E402
+
 OUT = os.environ.get("OUT")
 
 
@@ -61,21 +65,6 @@ def graph_time(fn, calls: int, reps: int = 7) -> float:  # noqa: ANN001
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3 / calls)
     del g
-    return sorted(times)[len(times) // 2]
-
-
-def event_time(fn, iters: int = 10) -> float:  # noqa: ANN001
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
     return sorted(times)[len(times) // 2]
 
 
@@ -121,8 +110,6 @@ def linear_choices() -> None:
 
 
 def decode_choices() -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
-                                    "tests", "gpu"))
     from gpu_harness import PagedSeqs
 
     from pdserve.engine.attention.flashinfer_backend import page_tables
@@ -205,7 +192,7 @@ def prefill_choices() -> None:
                 o = fn()
                 torch.cuda.synchronize()
                 first = time.perf_counter() - t0
-                sec = event_time(fn)
+                sec = timed(fn, 10, warmup=2)
                 ref = o if ref is None else ref
                 emit(exp="prefill_attn", kind=kind, backend=backend,
                      chosen=str(getattr(w, "_backend", "?")), ms=round(sec * 1e3, 3),
@@ -237,9 +224,6 @@ def gaps(fn, name: str, layout: str) -> None:  # noqa: ANN001
 def prefill_model() -> None:
     """Host time of planning and of enqueueing a 4096-token prefill against its GPU time, and
     the kernel time by kernel: where the gaps between kernels come from."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:0] = [here, os.path.join(here, "..", "tests", "gpu")]
-    from gpu_bench import make_backend
     from gpu_harness import PagedSeqs, llama3_8b_config, random_model
     from gpu_profile import kernel_table
 
@@ -263,7 +247,7 @@ def prefill_model() -> None:
             backend.init_forward(fb)
             model(fb)
 
-        gpu = event_time(run, 5)
+        gpu = timed(run, 5, warmup=2)
         host = []
         for _ in range(5):
             torch.cuda.synchronize()

@@ -15,11 +15,12 @@ import io
 import os
 import pstats
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "tests", "gpu")]  # also under python -P
+from gpu_bench import run_decode_loop  # noqa: E402
 from gpu_harness import llama3_8b_config, random_model  # noqa: E402
 
 
@@ -53,41 +54,16 @@ def main() -> int:
 
 
 def profile_loop(runner, pool, cfg, bs: int, ctx: int, steps: int, args) -> None:  # noqa: ANN001
-    from pdserve.engine.config import SchedulerConfig
-    from pdserve.engine.memory import KVMemory
-    from pdserve.engine.req import Req
-    from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.scheduler import Scheduler
-
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, cfg.vocab_size, (ctx - 1,), generator=gen).tolist()
                for _ in range(bs)]
     for on, profiled in ((False, False), (True, False), (True, True)):
-        memory = KVMemory(pool, bs + 8, ctx + steps + 8, True)
-        sched = Scheduler(runner, memory, SchedulerConfig(
-            max_running=bs, chunked_prefill_size=8192, overlap_schedule=on))
-        sp = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            sched.add(Req(f"r{i}", prompt, sp))
-        while sched.waiting or sched.chunked is not None:
-            sched.step()
-        for _ in range(3):
-            sched.step()
-        torch.cuda.synchronize()
         prof = cProfile.Profile() if profiled else None
-        n = 0
-        t0 = time.perf_counter()
-        if prof is not None:
-            prof.enable()
-        while sched.has_work:
-            sched.step()
-            n += 1
-        if prof is not None:
-            prof.disable()
-        torch.cuda.synchronize()
-        per = (time.perf_counter() - t0) / max(n, 1)
+        sec, calls, _ = run_decode_loop(runner, pool, prompts, steps, on, warm_steps=3,
+                                        profiler=prof)
+        per = sec / max(calls, 1)
         label = ("on" if on else "off") + (", under cProfile" if profiled else "")
-        print(f"== overlap {label}: {per * 1e3:.3f} ms per step over {n} steps "
+        print(f"== overlap {label}: {per * 1e3:.3f} ms per step over {calls} steps "
               f"(bs={bs}, ctx={ctx}, {args.backend})", flush=True)
         if prof is not None:
             for key in ("tottime", "cumtime"):
@@ -95,7 +71,6 @@ def profile_loop(runner, pool, cfg, bs: int, ctx: int, steps: int, args) -> None
                 pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.top)
                 print(f"-- by {key} (cProfile slows the loop; shares matter, not totals)")
                 print("\n".join(out.getvalue().splitlines()[6:8 + args.top]), flush=True)
-
 
 if __name__ == "__main__":
     sys.exit(main())
