@@ -10,8 +10,8 @@ before each replay into fixed buffers). Batches above the largest bucket run eag
 
 Graphs are captured with cuBLASLt as torch's preferred BLAS library (`blas`): over the
 column-major weights of a decode worker on an H200 it ran a Llama-3-8B layer's matmuls 1.06x
-faster than cuBLAS at batch 64 and within 1% at batches 1-8 and 256 (lm_head at 256 rows is
-~1.1x slower); whole graph steps at batch 64 were 1.03x faster (docs/performance.md). The
+faster than cuBLAS at batch 64, 1.02x at 256 and within 1% at batches 1-8 (lm_head at 256
+rows is ~1.1x slower); whole graph steps at batch 64 were 1.03x faster (docs/performance.md). The
 choice is baked into each graph; eager passes keep the process-wide setting.
 
 Invariant: the logits a replay returns are a view of the bucket's static output and stay valid

@@ -25,8 +25,8 @@ def set_weight_layout(weights: Iterable[nn.Parameter], column_major: bool) -> No
     [K, N] matrix. Measured on an H200 (docs/performance.md), summed over a Llama-3-8B layer's
     matmuls: with cuBLASLt, column-major is 1.01x faster at batch 1 and 1.02x at batch 64, but
     at 4096 rows (prefill) cuBLAS runs the row-major layout 1.12x faster. Loading still works
-    afterwards: row slices of a column-major weight are strided views. Not for a weight that is
-    also an embedding table (row gathers would become strided)."""
+    afterwards (row slices of a column-major weight are strided views; a test loads into one).
+    Not for a weight that is also an embedding table (row gathers would become strided)."""
     for w in weights:
         if w.dim() != 2:
             continue

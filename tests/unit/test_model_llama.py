@@ -113,3 +113,21 @@ def test_rope_scaling_changes_outputs(tmp_path) -> None:
     a = PagedRunner(scaled).extend({0: prompt})[0]
     b = PagedRunner(plain).extend({0: prompt})[0]
     assert (a - b).abs().max() > 1e-2
+
+
+def test_weights_load_into_column_major_layout(models) -> None:
+    """A decode worker's layout (engine/models/layers.py): weights re-stored column-major keep
+    their values, and checkpoint rows load into them as into row-major ones."""
+    from pdserve.engine.models.layers import set_weight_layout
+    from pdserve.engine.models.llama import LlamaForCausalLM
+
+    ours, theirs, cfg, _ = models
+    fresh = LlamaForCausalLM(cfg, dtype=torch.float32, device="cpu")
+    set_weight_layout(fresh.projection_weights(), column_major=True)
+    assert all(w.stride(0) == 1 for w in fresh.projection_weights())
+    names = fresh.weight_shapes()
+    fresh.load_weights((n, t) for n, t in theirs.state_dict().items() if n in names)
+    for a, b in zip(fresh.projection_weights(), ours.projection_weights()):
+        assert torch.equal(a, b)
+    set_weight_layout(fresh.projection_weights(), column_major=False)
+    assert all(w.is_contiguous() for w in fresh.projection_weights())
