@@ -16,6 +16,11 @@ from pdserve.engine.memory import KVMemory
 from pdserve.engine.model_runner import ModelRunner, default_attention_backend, num_kv_pages
 from pdserve.engine.models.layers import set_weight_layout
 
+# The decode-only worker's matmul weight layout (measured in docs/performance.md): the
+# batch-1 GEMV kernels (kernels/gemv.py) stream row-major weights, cuBLASLt at batch 64 runs
+# column-major ones slightly faster.
+DECODE_WORKER_COLUMN_MAJOR = True
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -29,8 +34,9 @@ class EngineConfig:
     # the C++ paged decode attention (engine/attention/cpu_decode.py). Off: plain torch only.
     cpu_kernels: bool = True
     cuda_graph_max_bs: int = 256
-    # CUDA: matmul weights stored column-major (engine/models/layers.py): faster at decode
-    # batch sizes, slower for prefill-sized matmuls, so decode-only workers turn it on.
+    # CUDA: matmul weights stored column-major (engine/models/layers.py): faster with cuBLAS
+    # at decode batch sizes, slower for prefill-sized matmuls; decode-only workers use
+    # DECODE_WORKER_COLUMN_MAJOR.
     column_major_weights: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from pdserve.engine.config import CacheConfig, SchedulerConfig
-from pdserve.engine.engine import EngineConfig, build_engine_parts
+from pdserve.engine.engine import DECODE_WORKER_COLUMN_MAJOR, EngineConfig, build_engine_parts
 from pdserve.engine.scheduler_thread import SchedulerThread
 from pdserve.engine.worker_server import RouterLink, install_signal_handlers, start_grpc_server
 
@@ -90,7 +90,7 @@ def _build(role: str, args: argparse.Namespace):
     """-> (service, kv_manager or None, closers)."""
     cfg = engine_config(args)
     if role == "decode":  # decode-only: its matmuls are all decode-sized
-        cfg = dataclasses.replace(cfg, column_major_weights=True)
+        cfg = dataclasses.replace(cfg, column_major_weights=DECODE_WORKER_COLUMN_MAJOR)
     closers = []
     kv = None
     shm = None

@@ -35,6 +35,7 @@ from gpu_harness import (  # noqa: E402
     weight_bytes,
 )
 
+from pdserve.engine.engine import DECODE_WORKER_COLUMN_MAJOR  # noqa: E402
 from pdserve.engine.kv_pool import KVPool  # noqa: E402
 
 
@@ -220,7 +221,7 @@ class Bench:
     def decode(self, name: str) -> None:
         from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
 
-        self.layout(column_major=True)  # as a decode worker stores them
+        self.layout(DECODE_WORKER_COLUMN_MAJOR)  # as a decode worker stores them
         backend = make_backend(name, self.cfg)
         seqs = PagedSeqs(self.pool, backend, seed=1)
         iters = 10 if self.args.quick else 30
@@ -264,27 +265,40 @@ class Bench:
         set_weight_layout(self.model.projection_weights(), column_major)
 
     def _gemm_choices(self, name: str, backend, fbs, iters: int) -> None:  # noqa: ANN001
-        """Decode steps (graphs, back to back) with the weights row-major and with cuBLAS
-        instead of cuBLASLt, against the defaults (column-major, cuBLASLt)."""
+        """Decode steps (graphs, back to back) over both weight layouts, with cuBLAS instead
+        of cuBLASLt, and at batch 1 without the GEMV kernels (kernels/gemv.py), as ratios
+        against column-major weights, cuBLASLt, GEMV at batch 1."""
         from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
+        from pdserve.engine.models.fused import decode_gemv
 
         batches = [b for b in self.batches if b <= 64]
-        times: dict[tuple[bool, str], dict[int, float]] = {}
-        for column_major, blas in ((True, "cublaslt"), (False, "cublaslt"), (True, "cublas")):
+        times: dict[tuple[bool, str, bool], dict[int, float]] = {}
+        for column_major, blas, gemv in ((True, "cublaslt", True), (False, "cublaslt", True),
+                                         (True, "cublas", True), (True, "cublaslt", False),
+                                         (False, "cublaslt", False)):
             self.layout(column_major)
-            runner = CudaGraphDecodeRunner(self.model, self.pool, backend, max(batches), blas)
-            runner.capture()
-            times[column_major, blas] = {
+            with decode_gemv(gemv):
+                runner = CudaGraphDecodeRunner(self.model, self.pool, backend, max(batches),
+                                               blas)
+                runner.capture()
+            times[column_major, blas, gemv] = {
                 b: timed_pipelined(lambda fb=fbs[b], r=runner: r.replay(fb).argmax(-1), iters)
                 for b in batches}
             runner.graphs.clear()
-        self.layout(True)
-        base = times[True, "cublaslt"]
+        self.layout(DECODE_WORKER_COLUMN_MAJOR)
+        base = times[True, "cublaslt", True]
         for b in batches:
             self.rec(f"decode {name}", f"row-major / column-major weights step time bs={b}",
-                     round(times[False, "cublaslt"][b] / base[b], 3), "x")
+                     round(times[False, "cublaslt", True][b] / base[b], 3), "x")
             self.rec(f"decode {name}", f"cuBLAS / cuBLASLt graphs step time bs={b}",
-                     round(times[True, "cublas"][b] / base[b], 3), "x")
+                     round(times[True, "cublas", True][b] / base[b], 3), "x")
+        for cm in (True, False):
+            layout = "column" if cm else "row"
+            on, off = times[cm, "cublaslt", True][1], times[cm, "cublaslt", False][1]
+            self.report_decode(name, f"cuda-graph back to back, {layout}-major, GEMV", 1, on)
+            self.report_decode(name, f"cuda-graph back to back, {layout}-major, cuBLAS", 1, off)
+            self.rec(f"decode {name}", f"cuBLAS / GEMV step time bs=1, {layout}-major",
+                     round(off / on, 3), "x")
 
     def _unfused_decode(self, name: str, backend, fb, iters: int, fused_s: float) -> None:  # noqa: ANN001
         """The same bs=1 CUDA-graph step with RMSNorm/residual, RoPE and SiLU-mul as plain torch."""
@@ -334,7 +348,7 @@ class Bench:
         projections scaled by 1/sqrt(2 * layers) (GPT-2's init), where bf16 rounding noise is
         not amplified layer after layer."""
         layers = self.cfg.num_layers
-        self.layout(column_major=True)  # the decode worker's layout, under test here
+        self.layout(DECODE_WORKER_COLUMN_MAJOR)  # the decode worker's layout, under test here
         self._correctness(names, "flat init")
         with torch.no_grad():
             for layer in self.model.layers:
@@ -421,7 +435,7 @@ class Bench:
         overlap scheduling on and off: ms per decode step over 64 steps of a full batch."""
         from pdserve.engine.model_runner import ModelRunner
 
-        self.layout(column_major=True)
+        self.layout(DECODE_WORKER_COLUMN_MAJOR)
         runner = ModelRunner(self.model, self.cfg, self.pool, make_backend(name, self.cfg))
         runner.enable_cuda_graph(64)
         gen = torch.Generator().manual_seed(9)

@@ -10,9 +10,11 @@ measured on the GPU in one run (the choices the engine makes are checked against
   FlashInfer with and without tensor cores, our Triton split-KV kernel at several split counts;
 - prefill attention over 4096 tokens: FlashInfer paged and ragged, backends auto / fa2 / fa3;
 - a whole 4096-token prefill (row- and column-major weights): host time of planning and of
-  enqueueing against GPU time, kernel time by kernel, and the idle gaps between GPU operations.
+  enqueueing against GPU time, kernel time by kernel, and the idle gaps between GPU operations;
+- the batch-1 GEMV kernels (kernels/gemv.py) per layer matrix against cuBLAS / cuBLASLt, over a
+  sweep of block shapes and warps, plain and with their fused prologues / epilogues.
 
-usage: python scripts/gpu_kernel_choices.py [--only linear,decode,prefill]
+usage: python scripts/gpu_kernel_choices.py [--only linear,decode,prefill,prefill_model,gemv]
 """
 
 from __future__ import annotations
@@ -107,6 +109,97 @@ def linear_choices() -> None:
                      tflops=round(2 * m * n * k / sec / 1e12, 1), max_diff_vs_linear=err)
 
         torch.cuda.empty_cache()
+
+
+def _weights(n: int, k: int) -> list[torch.Tensor]:
+    """Enough row-major copies of an [N, K] bf16 weight that cycling them defeats L2."""
+    copies = max(2, -(-400_000_000 // (n * k * 2)))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+
+
+def gemv_choices() -> None:
+    for name, (n, k) in SHAPES.items():
+        _gemv_shape(name, n, k)
+        torch.cuda.empty_cache()
+    _qkv_choices()
+    torch.cuda.empty_cache()
+
+
+def _gemv_shape(name: str, n: int, k: int) -> None:
+    from pdserve.kernels.gemv import default_blocks, gemv
+
+    dt = torch.bfloat16
+    sweep = [(bn, bk, nw) for bn in (4, 8, 16, 32, 64) for bk in (128, 256, 512)
+             for nw in (4, 8) if bn * bk <= 16384]
+    ws = _weights(n, k)
+    calls, wbytes = len(ws) * 3, n * k * 2
+    x = torch.randn(1, k, device="cuda", dtype=dt)
+
+    def report(variant: str, sec: float, **extra: object) -> None:
+        emit(exp="gemv", shape=name, variant=variant, us=round(sec * 1e6, 2),
+             gbps=round(wbytes / sec / 1e9, 1), **extra)
+
+    out = torch.empty(1, n, device="cuda", dtype=dt)
+
+    def cublas(i: int) -> None:
+        torch.matmul(x, ws[i % len(ws)].t(), out=out)
+
+    report("cublas", graph_time(cublas, calls))
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        report("cublaslt", graph_time(cublas, calls))
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
+    err = float((gemv(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs().max())
+    report("triton default", graph_time(lambda i: gemv(x, ws[i % len(ws)]), calls),
+           blocks=default_blocks(n, ws[0]), max_diff_vs_linear=err)
+    best = (1.0, None)
+    for bn, bk, nw in sweep:
+        sec = graph_time(lambda i, b=(bn, bk), nw=nw: gemv(x, ws[i % len(ws)], blocks=b,
+                                                           num_warps=nw), calls)
+        best = min(best, (sec, (bn, bk, nw)))
+    report("triton best of sweep", best[0], config=best[1])
+    g = torch.ones(k, device="cuda", dtype=dt)
+    res = torch.randn(1, n, device="cuda", dtype=dt)
+    report("triton default, norm + residual", graph_time(
+        lambda i: gemv(x, ws[i % len(ws)], norm_weight=g, eps=1e-5, residual=res), calls))
+    if name == "down":
+        x2 = torch.randn(1, 2 * k, device="cuda", dtype=dt)
+        report("triton default, silu-mul + residual", graph_time(
+            lambda i: gemv(x2, ws[i % len(ws)], silu_mul=True, residual=res), calls))
+    col = [w.t().contiguous().t() for w in ws[:2]]
+    report("triton default, column-major", graph_time(lambda i: gemv(x, col[i % 2]), 6))
+
+
+def _qkv_choices() -> None:
+    from pdserve.kernels.gemv import default_head_block, qkv_rope_store
+
+    n, k = SHAPES["qkv"]
+    ws = _weights(n, k)
+    calls, wbytes = len(ws) * 3, n * k * 2
+    dt = torch.bfloat16
+    x, g = torch.randn(1, k, device="cuda", dtype=dt), torch.ones(k, device="cuda", dtype=dt)
+    cos, sin = torch.rand(1, 64, device="cuda"), torch.rand(1, 64, device="cuda")
+    cache = torch.zeros(64, 2, 16, 8, 128, device="cuda", dtype=dt)
+    slot = torch.tensor([37], device="cuda")
+
+    def run(i: int, blocks=None, nw: int = 4) -> torch.Tensor:  # noqa: ANN001
+        return qkv_rope_store(x, ws[i % len(ws)], None, g, 1e-5, cos, sin, cache[:, 0],
+                              cache[:, 1], slot, 32, 8, blocks=blocks, num_warps=nw)
+
+    sec = graph_time(run, calls)
+    emit(exp="gemv", shape="qkv+norm+rope+store", variant="triton default",
+         blocks=default_head_block(64, k), us=round(sec * 1e6, 2),
+         gbps=round(wbytes / sec / 1e9, 1))
+    best = (1.0, None)
+    for bd in (2, 4, 8, 16, 32, 64):
+        for bk in (128, 256, 512):
+            for nw in (4, 8):
+                if 2 * bd * bk <= 16384:
+                    sec = graph_time(lambda i, b=(bd, bk), nw=nw: run(i, b, nw), calls)
+                    best = min(best, (sec, (bd, bk, nw)))
+    emit(exp="gemv", shape="qkv+norm+rope+store", variant="triton best of sweep",
+         config=best[1], us=round(best[0] * 1e6, 2), gbps=round(wbytes / best[0] / 1e9, 1))
 
 
 def decode_choices() -> None:
@@ -279,7 +372,7 @@ def main() -> int:
     p.add_argument("--only", default="linear,decode,prefill_model,prefill")
     args = p.parse_args()
     fns = {"linear": linear_choices, "decode": decode_choices, "prefill": prefill_choices,
-           "prefill_model": prefill_model}
+           "prefill_model": prefill_model, "gemv": gemv_choices}
     for name in args.only.split(","):
         t0 = time.perf_counter()
         print(f"== {name}", flush=True)

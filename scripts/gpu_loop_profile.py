@@ -33,13 +33,14 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024)
     args = p.parse_args()
 
+    from pdserve.engine.engine import DECODE_WORKER_COLUMN_MAJOR
     from pdserve.engine.kv_pool import KVPool
     from pdserve.engine.model_runner import ModelRunner, default_attention_backend
     from pdserve.engine.models.layers import set_weight_layout
 
     cfg = llama3_8b_config()
     model = random_model(cfg)
-    set_weight_layout(model.projection_weights(), column_major=True)
+    set_weight_layout(model.projection_weights(), column_major=DECODE_WORKER_COLUMN_MAJOR)
     batches = [int(b) for b in args.batches.split(",")]
     ctx, steps = args.context, args.steps
     pool = KVPool(max(batches) * -(-(ctx + steps + 8) // 16) + 64, cfg.num_layers, 16,

@@ -152,14 +152,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         self,
         layer_id: int,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         fb: ForwardBatch,
         scale: float,
     ) -> torch.Tensor:
         pool = fb.kv_pool
         kc, vc = pool.k_view(layer_id), pool.v_view(layer_id)
-        self._store(kc, vc, fb.out_cache_loc, k, v)
+        if k is not None:
+            self._store(kc, vc, fb.out_cache_loc, k, v)
         if fb.num_tokens == 0:
             return q.new_empty(q.shape)
         if self._planned is not fb or abs(scale - self._scale) > 1e-12:
@@ -167,5 +168,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 raise ValueError(f"num_heads: planned {self.num_heads}, q has {q.shape[1]}")
             self.plan(fb, q.shape[1], scale)
         if self._wrapper is self._ragged:
+            if k is None or v is None:
+                raise ValueError("k: the ragged prefill reads the new K/V, pass them")
             return self._ragged.run(q, k, v)
         return self._wrapper.run(q, (kc, vc))  # type: ignore[attr-defined]

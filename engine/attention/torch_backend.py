@@ -135,18 +135,19 @@ class TorchAttentionBackend(AttentionBackend):
         self,
         layer_id: int,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         fb: ForwardBatch,
         scale: float,
     ) -> torch.Tensor:
         paged = self._paged
-        if (paged is not None and paged.fb is fb
+        if (paged is not None and paged.fb is fb and k is not None
                 and q.dtype == k.dtype == v.dtype == torch.float32):
             return cpu_decode.paged_decode(
                 q.contiguous(), k.contiguous(), v.contiguous(), fb.kv_pool.buffer, layer_id,
                 paged.page_table, paged.seq_lens, paged.out_slots, scale)
-        fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if k is not None:
+            fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         if fb.num_tokens == 0:
             return q.new_empty(q.shape)
         plan = self._plan
@@ -155,7 +156,7 @@ class TorchAttentionBackend(AttentionBackend):
             plan = self._plan = self._build_plan(fb)
 
         num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k.shape[1]
+        num_kv_heads = fb.kv_pool.num_kv_heads
         group = num_heads // num_kv_heads
         b, max_q = fb.batch_size, plan.max_q
 

@@ -47,15 +47,16 @@ class TritonAttentionBackend(AttentionBackend):
         self,
         layer_id: int,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         fb: ForwardBatch,
         scale: float,
     ) -> torch.Tensor:
         if self._fb is not fb:
             self.init_forward(fb)
         kc, vc = fb.kv_pool.k_view(layer_id), fb.kv_pool.v_view(layer_id)
-        self._store(kc, vc, fb.out_cache_loc, k, v)
+        if k is not None:
+            self._store(kc, vc, fb.out_cache_loc, k, v)
         if fb.num_tokens == 0:
             return q.new_empty(q.shape)
         if q.stride(-1) != 1:

@@ -16,6 +16,7 @@ from torch import nn
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.models import decode_gemv
 from pdserve.engine.models.fused import kernels, use_fused
 from pdserve.engine.models.layers import RMSNorm, SwiGLUMLP, empty_param
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rope
@@ -103,6 +104,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         if fb.num_tokens == 0:
             return torch.empty(0, self.config.vocab_size, device=self.embed_tokens.device)
+        if decode_gemv.applies(self, fb):
+            return decode_gemv.forward(self, fb)
         h = F.embedding(fb.input_ids, self.embed_tokens)
         # One cos/sin per forward, shared by every layer.
         if use_fused(h):
