@@ -17,15 +17,44 @@ weight read carries its neighbours:
 Everything is accumulated and rotated in fp32 with one rounding at the end (the plain-torch
 model rounds after the norm, the matmul and the rotation; docs name it the more exact order,
 as for kernels/rope.py). Each program streams BLOCK_N whole rows of W; the weight should be
-row-major ([N, K], K contiguous): column-major works but reads 2-byte columns.
+row-major ([N, K], K contiguous): column-major works but reads 2-byte columns (5-7x slower).
+
+On Hopper and later the kernels are launched with programmatic dependent launch (PDL): each
+program lets the next kernel in the stream be scheduled as soon as it starts, and waits for the
+previous one (`gdc_wait`) before it reads anything, so a kernel's launch and its programs'
+start overlap the tail of the one before (`pdl_enabled = False` turns it off).
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+pdl_enabled = os.environ.get("PDSERVE_PDL", "1") != "0"
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether to launch with PDL on `device` (never in the CPU interpreter)."""
+    return (pdl_enabled and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and _pdl_capable(device.index if device.index is not None else 0))
+
+
+@triton.jit
+def _pdl_enter(USE_PDL: tl.constexpr):
+    """Lets the next kernel be scheduled, then waits until the previous one has finished."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 def gemv_reference(x: torch.Tensor, w: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
@@ -87,8 +116,9 @@ def _stream_dot(x_ptr, w_ptr, g_ptr, rows, row_mask, K, stride_wn, stride_wk,
 def _gemv_kernel(
     x_ptr, w_ptr, g_ptr, res_ptr, out_ptr, N, K, stride_wn, stride_wk, eps,
     NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    _pdl_enter(USE_PDL)
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_mask = rows < N
     y, ss = _stream_dot(x_ptr, w_ptr, g_ptr, rows, row_mask, K, stride_wn, stride_wk,
@@ -100,15 +130,15 @@ def _gemv_kernel(
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def default_blocks(n: int, w: torch.Tensor, num_sms: int = 132) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): row-major weights stream 512-byte row pieces (BLOCK_K 256) with
-    enough programs for two per SM; column-major ones read 64-wide column pieces."""
+def default_blocks(n: int, w: torch.Tensor) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps). Row-major: 256-byte row pieces, 8 warps, and about a
+    thousand programs or more (4 rows each up to N = 4096, 8 up to 8192, then 16): the
+    fastest of a sweep on an H200 for each Llama-3-8B matrix to within 3%
+    (scripts/gpu_kernel_choices.py, docs/performance.md). Column-major: 64-wide column
+    pieces (not tuned)."""
     if w.stride(-1) != 1:
-        return 64, 32
-    block_n = 32
-    while block_n > 4 and n // block_n < 2 * num_sms:
-        block_n //= 2
-    return block_n, 256
+        return 64, 32, 4
+    return (4 if n <= 4096 else 8 if n <= 8192 else 16), 128, 8
 
 
 def _check_vector(name: str, t: torch.Tensor, n: int) -> None:
@@ -119,8 +149,8 @@ def _check_vector(name: str, t: torch.Tensor, n: int) -> None:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
          eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None, blocks: tuple[int, int] | None = None,
-         num_warps: int = 4) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None,
+         blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Triton `gemv_reference`: x [1, K] (or [1, 2K] with `silu_mul`) times w [N, K]^T."""
     if w.dim() != 2:
         raise ValueError(f"w: expected [N, K], got {tuple(w.shape)}")
@@ -131,12 +161,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, norm_weight: torch.Tensor | None =
     if residual is not None:
         _check_vector("residual", residual, n)
     out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
-    block_n, block_k = blocks or default_blocks(n, w)
+    block_n, block_k, num_warps = blocks or default_blocks(n, w)
+    pdl = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, norm_weight if norm_weight is not None else x,
         residual if residual is not None else out, out, n, k, w.stride(0), w.stride(1), eps,
         NORM=norm_weight is not None, SILU=silu_mul, RESIDUAL=residual is not None,
-        EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl,
+        num_warps=num_warps, launch_pdl=pdl)
     return out
 
 
@@ -172,8 +204,9 @@ def _qkv_rope_store_kernel(
     K, stride_wn, stride_wk, eps, stride_cp, stride_co, stride_ch,
     HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    _pdl_enter(USE_PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     head = pid // (HALF // BLOCK_D)
@@ -214,19 +247,20 @@ def _qkv_rope_store_kernel(
             tl.store(vc_ptr + off + HALF, y2.to(vc_ptr.dtype.element_ty))
 
 
-def default_head_block(half: int, k: int) -> tuple[int, int]:
-    """(rows per half-head per program, BLOCK_K) for `qkv_rope_store`."""
-    block_d = 8
+def default_head_block(half: int, k: int) -> tuple[int, int, int]:
+    """(rows per half-head per program, BLOCK_K, num_warps) for `qkv_rope_store`: 4 + 4 rows
+    of 1 KB pieces, the fastest of a sweep on an H200 at the Llama-3-8B shape."""
+    block_d = 4
     while half % block_d:
         block_d //= 2
-    return block_d, 256 if k >= 256 else triton.next_power_of_2(k)
+    return block_d, 512 if k >= 512 else triton.next_power_of_2(k), 4
 
 
 def qkv_rope_store(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor,
     eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, slot: torch.Tensor, num_heads: int, num_kv_heads: int,
-    blocks: tuple[int, int] | None = None, num_warps: int = 4,
+    blocks: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Triton `qkv_rope_store_reference`: returns q [1, Hq, D], writes k and v into the pool."""
     d = k_cache.shape[-1]
@@ -252,7 +286,8 @@ def qkv_rope_store(
     if slot.numel() != 1:
         raise ValueError(f"slot: expected one slot, got {slot.numel()}")
     q = torch.empty(1, num_heads, d, dtype=x.dtype, device=x.device)
-    block_d, block_k = blocks or default_head_block(d // 2, k)
+    block_d, block_k, num_warps = blocks or default_head_block(d // 2, k)
+    pdl = use_pdl(x.device)
     grid = ((num_heads + 2 * num_kv_heads) * (d // 2 // block_d),)
     _qkv_rope_store_kernel[grid](
         x, w, bias if bias is not None else norm_weight, norm_weight, cos, sin, slot, q,
@@ -260,5 +295,5 @@ def qkv_rope_store(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HQ=num_heads, HK=num_kv_heads, HEAD_DIM=d, PAGE_SIZE=k_cache.shape[1],
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_D=block_d, BLOCK_K=block_k,
-        num_warps=num_warps)
+        USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
     return q

@@ -129,8 +129,7 @@ def _gemv_shape(name: str, n: int, k: int) -> None:
     from pdserve.kernels.gemv import default_blocks, gemv
 
     dt = torch.bfloat16
-    sweep = [(bn, bk, nw) for bn in (4, 8, 16, 32, 64) for bk in (128, 256, 512)
-             for nw in (4, 8) if bn * bk <= 16384]
+    sweep = [(bn, bk, nw) for bn in (4, 8, 16) for bk in (128, 256) for nw in (4, 8)]
     ws = _weights(n, k)
     calls, wbytes = len(ws) * 3, n * k * 2
     x = torch.randn(1, k, device="cuda", dtype=dt)
@@ -153,20 +152,34 @@ def _gemv_shape(name: str, n: int, k: int) -> None:
     err = float((gemv(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs().max())
     report("triton default", graph_time(lambda i: gemv(x, ws[i % len(ws)]), calls),
            blocks=default_blocks(n, ws[0]), max_diff_vs_linear=err)
-    best = (1.0, None)
-    for bn, bk, nw in sweep:
-        sec = graph_time(lambda i, b=(bn, bk), nw=nw: gemv(x, ws[i % len(ws)], blocks=b,
-                                                           num_warps=nw), calls)
-        best = min(best, (sec, (bn, bk, nw)))
-    report("triton best of sweep", best[0], config=best[1])
     g = torch.ones(k, device="cuda", dtype=dt)
     res = torch.randn(1, n, device="cuda", dtype=dt)
-    report("triton default, norm + residual", graph_time(
-        lambda i: gemv(x, ws[i % len(ws)], norm_weight=g, eps=1e-5, residual=res), calls))
-    if name == "down":
-        x2 = torch.randn(1, 2 * k, device="cuda", dtype=dt)
-        report("triton default, silu-mul + residual", graph_time(
-            lambda i: gemv(x2, ws[i % len(ws)], silu_mul=True, residual=res), calls))
+    x2 = torch.randn(1, 2 * k, device="cuda", dtype=dt)
+    # What the decode path fuses into each matrix (kernels/gemv.py, engine/models/decode_gemv).
+    fused = {"o_proj": {"residual": res}, "gate_up": {"norm_weight": g, "eps": 1e-5},
+             "down": {"silu_mul": True, "residual": res},
+             "lm_head": {"norm_weight": g, "eps": 1e-5, "out_dtype": torch.float32}}.get(name)
+    xin = x2 if fused and fused.get("silu_mul") else x
+    # Swept: the variant the decode path runs (qkv's runs as qkv_rope_store, swept below).
+    for label, kw, inp in (("", {}, x), (", as fused in decode", fused, xin)):
+        if (kw is None) or (fused is not None and not label):
+            continue
+        if label:
+            report(f"triton default{label}", graph_time(
+                lambda i, kw=kw, inp=inp: gemv(inp, ws[i % len(ws)], **kw), calls))
+        best = (1.0, None)
+        for cfg in sweep:
+            sec = graph_time(lambda i, cfg=cfg, kw=kw, inp=inp: gemv(
+                inp, ws[i % len(ws)], blocks=cfg, **kw), calls)
+            best = min(best, (sec, cfg))
+        report(f"triton best of sweep{label}", best[0], config=best[1])
+    from pdserve.kernels import gemv as gemv_mod
+
+    gemv_mod.pdl_enabled = False
+    try:
+        report("triton default, no PDL", graph_time(lambda i: gemv(x, ws[i % len(ws)]), calls))
+    finally:
+        gemv_mod.pdl_enabled = True
     col = [w.t().contiguous().t() for w in ws[:2]]
     report("triton default, column-major", graph_time(lambda i: gemv(x, col[i % 2]), 6))
 
@@ -183,9 +196,9 @@ def _qkv_choices() -> None:
     cache = torch.zeros(64, 2, 16, 8, 128, device="cuda", dtype=dt)
     slot = torch.tensor([37], device="cuda")
 
-    def run(i: int, blocks=None, nw: int = 4) -> torch.Tensor:  # noqa: ANN001
+    def run(i: int, blocks=None) -> torch.Tensor:  # noqa: ANN001
         return qkv_rope_store(x, ws[i % len(ws)], None, g, 1e-5, cos, sin, cache[:, 0],
-                              cache[:, 1], slot, 32, 8, blocks=blocks, num_warps=nw)
+                              cache[:, 1], slot, 32, 8, blocks=blocks)
 
     sec = graph_time(run, calls)
     emit(exp="gemv", shape="qkv+norm+rope+store", variant="triton default",
@@ -196,7 +209,7 @@ def _qkv_choices() -> None:
         for bk in (128, 256, 512):
             for nw in (4, 8):
                 if 2 * bd * bk <= 16384:
-                    sec = graph_time(lambda i, b=(bd, bk), nw=nw: run(i, b, nw), calls)
+                    sec = graph_time(lambda i, b=(bd, bk, nw): run(i, b), calls)
                     best = min(best, (sec, (bd, bk, nw)))
     emit(exp="gemv", shape="qkv+norm+rope+store", variant="triton best of sweep",
          config=best[1], us=round(best[0] * 1e6, 2), gbps=round(wbytes / best[0] / 1e9, 1))

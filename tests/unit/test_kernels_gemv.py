@@ -30,8 +30,8 @@ def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEV, dtype)
 
 
-@pytest.mark.parametrize("n,k,blocks", [(96, 64, (16, 32)), (50, 200, (8, 64)),
-                                        (33, 48, None), (7, 300, (4, 128))])
+@pytest.mark.parametrize("n,k,blocks", [(96, 64, (16, 32, 4)), (50, 200, (8, 64, 2)),
+                                        (33, 48, None), (7, 300, (4, 128, 4))])
 @pytest.mark.parametrize("norm,silu,res", [(False, False, False), (True, False, False),
                                            (False, True, True), (True, False, True)])
 def test_gemv_matches_reference(n: int, k: int, blocks, norm: bool, silu: bool,
@@ -76,7 +76,8 @@ def _pool(pages: int, ps: int, hk: int, d: int, seed: int) -> tuple[torch.Tensor
 
 
 @pytest.mark.parametrize("hq,hk,d,k,bias,blocks", [
-    (4, 2, 16, 64, False, (8, 32)), (6, 2, 32, 96, True, (4, 32)), (2, 1, 8, 40, False, None)])
+    (4, 2, 16, 64, False, (8, 32, 4)), (6, 2, 32, 96, True, (4, 32, 2)),
+    (2, 1, 8, 40, False, None)])
 def test_qkv_rope_store_matches_reference(hq: int, hk: int, d: int, k: int, bias: bool,
                                           blocks) -> None:
     rows = (hq + 2 * hk) * d
