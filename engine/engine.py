@@ -16,10 +16,10 @@ from pdserve.engine.memory import KVMemory
 from pdserve.engine.model_runner import ModelRunner, default_attention_backend, num_kv_pages
 from pdserve.engine.models.layers import set_weight_layout
 
-# The decode-only worker's matmul weight layout (measured in docs/performance.md): the
-# batch-1 GEMV kernels (kernels/gemv.py) stream row-major weights, cuBLASLt at batch 64 runs
-# column-major ones slightly faster.
-DECODE_WORKER_COLUMN_MAJOR = True
+# The decode-only worker's matmul weight layout (measured on an H200, docs/performance.md):
+# row-major, which the batch-1 GEMV path needs (kernels/gemv.py; 1.08x faster steps than
+# cuBLAS), although cuBLASLt runs column-major weights ~2% faster at batch 64.
+DECODE_WORKER_COLUMN_MAJOR = False
 
 
 @dataclass(frozen=True)

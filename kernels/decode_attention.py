@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.pdl import pdl_enter, use_pdl
+
 LOG2E = 1.4426950408889634
 
 
@@ -24,7 +26,9 @@ def _decode_stage1(
     stride_mb, stride_mh, stride_ms,
     NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -78,8 +82,9 @@ def _decode_stage1(
 def _decode_stage2(
     mid_o_ptr, mid_lse_ptr, o_ptr, stride_mb, stride_mh, stride_ms, stride_ob, stride_oh,
     NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -131,17 +136,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mid_o = torch.empty(b, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(b, num_heads, num_splits, dtype=torch.float32, device=q.device)
     sb, sh, ss = mid_o.stride(0), mid_o.stride(1), mid_o.stride(2)
+    pdl = use_pdl(q.device)
     _decode_stage1[(b, num_kv_heads, num_splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         sb, sh, ss,
         NUM_SPLITS=num_splits, PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64, BLOCK_D=block_d,
-        num_warps=4, num_stages=2,
+        USE_PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl,
     )
     _decode_stage2[(b, num_heads)](
         mid_o, mid_lse, out, sb, sh, ss, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, USE_PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
     )
     return out

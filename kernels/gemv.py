@@ -8,8 +8,9 @@ weight read carries its neighbours:
 
 - `gemv`: y = W x with an optional RMSNorm of x in front (the norm's 1/rms is a scalar, so
   W (x * g / rms) = (W (x * g)) / rms: each program sums x*x while it streams W), an optional
-  SiLU-mul of a fused gate/up vector in front (x = silu(gate) * up, computed as it is read),
-  and an optional residual added to the result.
+  residual added to the result, and an optional SiLU-mul behind it for the fused gate/up
+  weight: a program computes matching rows of the gate and the up halves and writes
+  silu(gate) * up, so the activation never round-trips through memory at twice its size.
 - `qkv_rope_store`: the fused qkv projection with the input norm in front and, behind it, the
   bias, RoPE on q and k and the store of k and v into their slot of the page-major pool. One
   program computes matching rows of both halves of a head, so the rotation needs no exchange.
@@ -19,97 +20,71 @@ model rounds after the norm, the matmul and the rotation; docs name it the more 
 as for kernels/rope.py). Each program streams BLOCK_N whole rows of W; the weight should be
 row-major ([N, K], K contiguous): column-major works but reads 2-byte columns (5-7x slower).
 
-On Hopper and later the kernels are launched with programmatic dependent launch (PDL): each
-program lets the next kernel in the stream be scheduled as soon as it starts, and waits for the
-previous one (`gdc_wait`) before it reads anything, so a kernel's launch and its programs'
-start overlap the tail of the one before (`pdl_enabled = False` turns it off).
+On Hopper and later the kernels are launched with programmatic dependent launch
+(kernels/pdl.py): a kernel's launch and its programs' start overlap the tail of the one before.
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-pdl_enabled = os.environ.get("PDSERVE_PDL", "1") != "0"
-
-
-@functools.cache
-def _pdl_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def use_pdl(device: torch.device) -> bool:
-    """Whether to launch with PDL on `device` (never in the CPU interpreter)."""
-    return (pdl_enabled and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and _pdl_capable(device.index if device.index is not None else 0))
-
-
-@triton.jit
-def _pdl_enter(USE_PDL: tl.constexpr):
-    """Lets the next kernel be scheduled, then waits until the previous one has finished."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+from pdserve.kernels.pdl import pdl_enter, use_pdl
 
 
 def gemv_reference(x: torch.Tensor, w: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                    eps: float = 0.0, silu_mul: bool = False,
                    residual: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [1, K] (or [1, 2K] gate|up with `silu_mul`), w [N, K] -> [1, N], in fp32."""
+    """x [1, K], w [N, K] -> [1, N] (or [1, N / 2] = silu(gate) * up with `silu_mul`), fp32
+    throughout, one rounding to `out_dtype` (default x's)."""
     h = x.float()
-    if silu_mul:
-        gate, up = h.chunk(2, dim=-1)
-        h = F.silu(gate) * up
     if norm_weight is not None:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
     y = h @ w.float().t()
+    if silu_mul:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
     if residual is not None:
         y = y + residual.float()
     return y.to(out_dtype or x.dtype)
 
 
 @triton.jit
-def _stream_dot(x_ptr, w_ptr, g_ptr, rows, row_mask, K, stride_wn, stride_wk,
-                NORM: tl.constexpr, SILU: tl.constexpr, EVEN_K: tl.constexpr,
+def _stream_dot(x_ptr, w_ptr, g_ptr, rows, rows2, row_mask, K, stride_wn, stride_wk,
+                NORM: tl.constexpr, PAIR: tl.constexpr, EVEN_K: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(sum_k W[rows, k] * x'[k] in fp32 [BLOCK_N], sum of x'^2 before the norm weight), where
-    x' is x, or silu(x[:K]) * x[K:] with SILU, multiplied by the norm weight g with NORM."""
+    """sum_k W[rows, k] * x[k] * g[k] in fp32 [BLOCK_N], the same over `rows2` with PAIR
+    (streamed in the same loop: twice the loads in flight), and sum_k x[k]^2. g = 1 without
+    NORM."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)
     w_rows = w_ptr + rows[:, None] * stride_wn
+    w_rows2 = w_ptr + rows2[:, None] * stride_wn
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            if SILU:
-                gate = tl.load(x_ptr + cols).to(tl.float32)
-                xv = gate * tl.sigmoid(gate) * tl.load(x_ptr + K + cols).to(tl.float32)
-            else:
-                xv = tl.load(x_ptr + cols).to(tl.float32)
-            w = tl.load(w_rows + cols[None, :] * stride_wk, mask=row_mask[:, None], other=0.0)
-            if NORM:
-                ss += xv * xv
-                xv = xv * tl.load(g_ptr + cols).to(tl.float32)
+            xv = tl.load(x_ptr + cols).to(tl.float32)
+            mask = row_mask[:, None]
+            gv = tl.load(g_ptr + cols).to(tl.float32) if NORM else xv
         else:
             col_mask = cols < K
-            if SILU:
-                gate = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                up = tl.load(x_ptr + K + cols, mask=col_mask, other=0.0).to(tl.float32)
-                xv = gate * tl.sigmoid(gate) * up
-            else:
-                xv = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + cols[None, :] * stride_wk,
-                        mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-            if NORM:
-                ss += xv * xv
-                xv = xv * tl.load(g_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            mask = row_mask[:, None] & col_mask[None, :]
+            gv = tl.load(g_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) if NORM else xv
+        w = tl.load(w_rows + cols[None, :] * stride_wk, mask=mask, other=0.0)
+        if PAIR:
+            w2 = tl.load(w_rows2 + cols[None, :] * stride_wk, mask=mask, other=0.0)
+        if NORM:
+            ss += xv * xv
+            xv = xv * gv
         acc += w.to(tl.float32) * xv[None, :]
-    return tl.sum(acc, axis=1), tl.sum(ss, axis=0)
+        if PAIR:
+            acc2 += w2.to(tl.float32) * xv[None, :]
+    return tl.sum(acc, axis=1), tl.sum(acc2, axis=1), tl.sum(ss, axis=0)
 
 
 @triton.jit
@@ -118,27 +93,35 @@ def _gemv_kernel(
     NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    _pdl_enter(USE_PDL)
+    """N is the number of outputs: the rows of W, or with SILU half of them (gate, then up)."""
+    pdl_enter(USE_PDL)
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_mask = rows < N
-    y, ss = _stream_dot(x_ptr, w_ptr, g_ptr, rows, row_mask, K, stride_wn, stride_wk,
-                        NORM, SILU, EVEN_K, BLOCK_N, BLOCK_K)
+    y, up, ss = _stream_dot(x_ptr, w_ptr, g_ptr, rows, rows + N, row_mask, K, stride_wn,
+                            stride_wk, NORM, SILU, EVEN_K, BLOCK_N, BLOCK_K)
     if NORM:
-        y = y / tl.sqrt(ss / K + eps)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+        y = y * rstd
+        up = up * rstd
+    if SILU:
+        y = y * tl.sigmoid(y) * up
     if RESIDUAL:
         y += tl.load(res_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def default_blocks(n: int, w: torch.Tensor) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps). Row-major: 256-byte row pieces, 8 warps, and about a
-    thousand programs or more (4 rows each up to N = 4096, 8 up to 8192, then 16): the
-    fastest of a sweep on an H200 for each Llama-3-8B matrix to within 3%
-    (scripts/gpu_kernel_choices.py, docs/performance.md). Column-major: 64-wide column
-    pieces (not tuned)."""
+def default_blocks(n: int, w: torch.Tensor, norm: bool = False, silu_mul: bool = False
+                   ) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps), the fastest of a sweep on an H200 for each Llama-3-8B
+    matrix as the decode path runs it, to within a few % (scripts/gpu_kernel_choices.py,
+    docs/performance.md). Row-major: with the norm in front or over 8192 rows, 16 rows of
+    512-byte pieces per program under 4 warps; otherwise 4 rows (8 over 4096) of 256-byte
+    pieces under 8 warps. Column-major: 64-wide column pieces (not tuned)."""
     if w.stride(-1) != 1:
         return 64, 32, 4
-    return (4 if n <= 4096 else 8 if n <= 8192 else 16), 128, 8
+    if norm or silu_mul or n > 8192:
+        return (8 if silu_mul else 16), 256, 4
+    return (4 if n <= 4096 else 8), 128, 8
 
 
 def _check_vector(name: str, t: torch.Tensor, n: int) -> None:
@@ -151,17 +134,19 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, norm_weight: torch.Tensor | None =
          eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None,
          out_dtype: torch.dtype | None = None,
          blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """Triton `gemv_reference`: x [1, K] (or [1, 2K] with `silu_mul`) times w [N, K]^T."""
-    if w.dim() != 2:
-        raise ValueError(f"w: expected [N, K], got {tuple(w.shape)}")
-    n, k = w.shape
-    _check_vector("x", x, 2 * k if silu_mul else k)
+    """Triton `gemv_reference`: x [1, K] times w [N, K]^T (-> [1, N / 2] with `silu_mul`)."""
+    if w.dim() != 2 or (silu_mul and w.shape[0] % 2):
+        raise ValueError(f"w: expected [N, K] (N even with silu_mul), got {tuple(w.shape)}")
+    k = w.shape[1]
+    n = w.shape[0] // 2 if silu_mul else w.shape[0]
+    _check_vector("x", x, k)
     if norm_weight is not None and norm_weight.shape != (k,):
         raise ValueError(f"norm_weight: expected ({k},), got {tuple(norm_weight.shape)}")
     if residual is not None:
         _check_vector("residual", residual, n)
     out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
-    block_n, block_k, num_warps = blocks or default_blocks(n, w)
+    block_n, block_k, num_warps = blocks or default_blocks(n, w, norm_weight is not None,
+                                                           silu_mul)
     pdl = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, norm_weight if norm_weight is not None else x,
@@ -206,7 +191,7 @@ def _qkv_rope_store_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    _pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     head = pid // (HALF // BLOCK_D)
@@ -214,10 +199,8 @@ def _qkv_rope_store_kernel(
     rows1 = (head * HEAD_DIM + d).to(tl.int64)
     rows2 = rows1 + HALF
     ok = d < HALF
-    y1, ss = _stream_dot(x_ptr, w_ptr, g_ptr, rows1, ok, K, stride_wn, stride_wk,
-                         True, False, EVEN_K, BLOCK_D, BLOCK_K)
-    y2, _ = _stream_dot(x_ptr, w_ptr, g_ptr, rows2, ok, K, stride_wn, stride_wk,
-                        True, False, EVEN_K, BLOCK_D, BLOCK_K)
+    y1, y2, ss = _stream_dot(x_ptr, w_ptr, g_ptr, rows1, rows2, ok, K, stride_wn, stride_wk,
+                             True, True, EVEN_K, BLOCK_D, BLOCK_K)
     rstd = 1.0 / tl.sqrt(ss / K + eps)
     y1 = y1 * rstd
     y2 = y2 * rstd
@@ -249,11 +232,11 @@ def _qkv_rope_store_kernel(
 
 def default_head_block(half: int, k: int) -> tuple[int, int, int]:
     """(rows per half-head per program, BLOCK_K, num_warps) for `qkv_rope_store`: 4 + 4 rows
-    of 1 KB pieces, the fastest of a sweep on an H200 at the Llama-3-8B shape."""
+    of 1 KB pieces under 8 warps, the fastest of a sweep on an H200 at the Llama-3-8B shape."""
     block_d = 4
     while half % block_d:
         block_d //= 2
-    return block_d, 512 if k >= 512 else triton.next_power_of_2(k), 4
+    return block_d, 512 if k >= 512 else triton.next_power_of_2(k), 8
 
 
 def qkv_rope_store(

@@ -1,9 +1,9 @@
 """A one-token decode step (batch 1) through the fused matrix-vector kernels of kernels/gemv.py.
 
-Per layer, five launches besides attention instead of ten: the input norm, qkv projection,
+Per layer, four launches besides attention instead of nine: the input norm, qkv projection,
 RoPE and KV store in one; the attention backend reads the pool (k = v = None: already stored);
-o_proj with the residual add; gate_up with the post-attention norm; down_proj with SiLU-mul
-in front and the residual add behind. The residual stream is carried whole (each block's
+o_proj with the residual add; gate_up with the post-attention norm in front and SiLU-mul
+behind; down_proj with the residual add. The residual stream is carried whole (each block's
 output added at once), not in the unfused path's (output, residual) pair, so the norms read
 one vector. The final norm rides on the lm_head GEMV.
 
@@ -27,9 +27,12 @@ if TYPE_CHECKING:
 
 
 def applies(model: LlamaForCausalLM, fb: ForwardBatch) -> bool:
-    """Whether `fb` takes this path: one DECODE token, fused kernels on, the model on CUDA."""
+    """Whether `fb` takes this path: one DECODE token, fused kernels on, the model on CUDA
+    with row-major matmul weights (the kernels read column-major ones 5-7x slower than
+    cuBLAS does, docs/performance.md)."""
     return (fb.mode == ForwardMode.DECODE and fb.num_tokens == 1
-            and use_decode_gemv(model.embed_tokens))
+            and use_decode_gemv(model.embed_tokens)
+            and (not model.layers or model.layers[0].mlp.down_proj.stride(-1) == 1))
 
 
 def _layer(layer: LlamaDecoderLayer, r: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -44,8 +47,8 @@ def _layer(layer: LlamaDecoderLayer, r: torch.Tensor, cos: torch.Tensor, sin: to
     o = fb.attn_backend.forward(i, q, None, None, fb, attn.scale)
     r = ops.gemv(o.reshape(1, attn.q_size), attn.o_proj, residual=r)
     norm = layer.post_attention_layernorm
-    gate_up = ops.gemv(r, mlp.gate_up_proj, norm_weight=norm.weight, eps=norm.eps)
-    return ops.gemv(gate_up, mlp.down_proj, silu_mul=True, residual=r)
+    act = ops.gemv(r, mlp.gate_up_proj, norm_weight=norm.weight, eps=norm.eps, silu_mul=True)
+    return ops.gemv(act, mlp.down_proj, residual=r)
 
 
 def forward(model: LlamaForCausalLM, fb: ForwardBatch) -> torch.Tensor:

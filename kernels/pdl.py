@@ -1,0 +1,40 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for our Triton kernels.
+
+A kernel launched with PDL may start while the kernel before it in the stream is still running:
+each of its programs first lets the next kernel be scheduled (`griddepcontrol.launch_dependents`)
+and then waits until the previous kernel has finished and its writes are visible
+(`griddepcontrol.wait`) before reading anything. So the launch latency and the ramp-up of one
+kernel overlap the tail of the one before, which matters where kernels last a few microseconds
+(batch-1 decode). Kernels before or after that do not use PDL are ordered as usual; a CUDA graph
+keeps the programmatic edges. PDSERVE_PDL=0 or `pdl_enabled = False` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+pdl_enabled = os.environ.get("PDSERVE_PDL", "1") != "0"
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether to launch with PDL on `device` (never in the CPU interpreter)."""
+    return (pdl_enabled and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and _pdl_capable(device.index if device.index is not None else 0))
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """Lets the next kernel be scheduled, then waits until the previous one has finished."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
