@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 def applies(model: LlamaForCausalLM, fb: ForwardBatch) -> bool:
     """Whether `fb` takes this path: one DECODE token, fused kernels on, the model on CUDA
-    with row-major matmul weights (the kernels read column-major ones 5-7x slower than
+    with row-major matmul weights (the kernels read column-major ones up to 7x slower than
     cuBLAS does, docs/performance.md)."""
     return (fb.mode == ForwardMode.DECODE and fb.num_tokens == 1
             and use_decode_gemv(model.embed_tokens)
