@@ -445,8 +445,10 @@ class Bench:
                        for _ in range(bs)]
             per_step = {}
             for on in (True, False):
-                sec, _, reqs = run_decode_loop(runner, self.pool, prompts, steps, on)
-                per_step[on] = sec / steps
+                # As scripts/gpu_loop_profile.py: three warm-up steps, then per timed step.
+                sec, calls, reqs = run_decode_loop(runner, self.pool, prompts, steps, on,
+                                                   warm_steps=3)
+                per_step[on] = sec / max(calls, 1)
                 assert all(len(r.output_ids) == steps + 1 for r in reqs)
                 label = "on" if on else "off"
                 self.report_decode(name, f"scheduler loop, overlap {label},", bs, per_step[on])
