@@ -432,7 +432,7 @@ class Bench:
 
     def overlap(self, name: str) -> None:
         """The real decode loop (Scheduler -> ModelRunner -> CUDA graph -> sampler), with
-        overlap scheduling on and off: ms per decode step over 64 steps of a full batch."""
+        overlap scheduling on and off: ms per decode step of a full batch, the last 61 of 64."""
         from pdserve.engine.model_runner import ModelRunner
 
         self.layout(DECODE_WORKER_COLUMN_MAJOR)
