@@ -8,11 +8,12 @@ The attention backend must be graph-safe: `triton` (lengths read on the device, 
 the batch size) or `flashinfer` (a `use_cuda_graph=True` decode wrapper per bucket, planned
 before each replay into fixed buffers). Batches above the largest bucket run eagerly.
 
-Graphs are captured with cuBLASLt as torch's preferred BLAS library (`blas`): over the
-column-major weights of a decode worker on an H200 it ran a Llama-3-8B layer's matmuls 1.06x
-faster than cuBLAS at batch 64, 1.02x at 256 and within 1% at batches 1-8 (lm_head at 256
-rows is ~1.1x slower); whole graph steps at batch 64 were 1.03x faster (docs/performance.md). The
-choice is baked into each graph; eager passes keep the process-wide setting.
+Graphs are captured with cuBLASLt as torch's preferred BLAS library (`blas`): on an H200 it ran
+a Llama-3-8B layer's matmuls 1.07x (row-major weights) and 1.06x (column-major) faster than
+cuBLAS at batch 64, 1.01-1.02x at 256 and within 1% at batches 1-8 (lm_head at 256 rows is ~1.1x
+slower); whole graph steps over column-major weights at batch 64 were 1.03x faster
+(docs/performance.md). The choice is baked into each graph; eager passes keep the process-wide
+setting.
 
 Invariant: the logits a replay returns are a view of the bucket's static output and stay valid
 only until the next replay.

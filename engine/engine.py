@@ -17,8 +17,9 @@ from pdserve.engine.model_runner import ModelRunner, default_attention_backend, 
 from pdserve.engine.models.layers import set_weight_layout
 
 # The decode-only worker's matmul weight layout (measured on an H200, docs/performance.md):
-# row-major, which the batch-1 GEMV path needs (kernels/gemv.py; 1.08x faster steps than
-# cuBLAS), although cuBLASLt runs column-major weights ~2% faster at batch 64.
+# row-major, which the batch-1 GEMV path needs (kernels/gemv.py; its steps 1.18x faster than
+# cuBLAS with separate kernels), although cuBLASLt runs column-major weights ~1.5% faster at
+# batch 64.
 DECODE_WORKER_COLUMN_MAJOR = False
 
 

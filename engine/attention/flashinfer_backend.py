@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.attention.base import AttentionBackend
+from pdserve.engine.attention.triton_backend import TritonAttentionBackend
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 256 << 20
@@ -74,13 +75,11 @@ class FlashInferAttentionBackend(AttentionBackend):
     def __init__(self, device: torch.device | str, num_heads: int | None = None) -> None:
         import flashinfer
 
-        from pdserve.kernels.decode_attention import decode_attention, default_num_splits
         from pdserve.kernels.kv_store import store_kv
 
         self._flashinfer = flashinfer
         self._store = store_kv
-        self._small_decode = decode_attention
-        self._num_splits_for = default_num_splits
+        self._small_decode = TritonAttentionBackend(device)  # batches <= SMALL_DECODE_BATCH
         self.device = torch.device(device)
         self.num_heads = num_heads  # known up front, or taken from the first layer's q
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
@@ -91,9 +90,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._fb: ForwardBatch | None = None
         self._planned: ForwardBatch | None = None
         self._wrapper: object | None = None
-        self._num_splits = 1
-        self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                         if self.device.type == "cuda" else 4)
         self._scale = 0.0
         self.lazy_extend_plan = True
 
@@ -139,9 +135,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._planned = fb
             return
         if fb.mode == ForwardMode.DECODE and fb.batch_size <= SMALL_DECODE_BATCH:
-            self._wrapper = None  # the Triton kernel: reads token slots, needs no plan
-            self._num_splits = self._num_splits_for(fb.batch_size, pool.num_kv_heads,
-                                                    self._num_sms)
+            self._wrapper = None  # the Triton backend's decode: reads token slots, no tables
+            self._small_decode.init_forward(fb)
             self._planned = fb
             return
         indptr, indices, last = page_tables(fb, self.device)
@@ -183,11 +178,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             if self.num_heads is not None and self.num_heads != q.shape[1]:
                 raise ValueError(f"num_heads: planned {self.num_heads}, q has {q.shape[1]}")
             self.plan(fb, q.shape[1], scale)
-        if self._wrapper is None:
-            if q.stride(-1) != 1:
-                q = q.contiguous()
-            return self._small_decode(q, kc, vc, fb.kv_indptr, fb.kv_indices, scale,
-                                      num_splits=self._num_splits)
+        if self._wrapper is None:  # K/V stored above
+            return self._small_decode.forward(layer_id, q, None, None, fb, scale)
         if self._wrapper is self._ragged:
             if k is None or v is None:
                 raise ValueError("k: the ragged prefill reads the new K/V, pass them")
