@@ -82,7 +82,10 @@ async def test_n_fans_out_with_distinct_seeds(cluster):
 
 
 async def test_retry_once_before_first_token(cluster):
-    router, fakes = await cluster(num_prefill=2)
+    router, fakes = await cluster(num_prefill=2, prefill_policy="round_robin")
+    # Both prefill workers healthy before the pick: otherwise `first` may be the only one
+    # healthy yet while the router, a moment later, starts its round at the other.
+    assert await wait_for(lambda: len(router.core.registry.available("prefill")) == 2)
     first = router.core.registry.available("prefill")[0].address  # round robin starts here
     bad = next(p for p in fakes["prefill"] if p.address == first)
     bad.fail_prefill = 1
