@@ -305,6 +305,39 @@ def prefill_choices() -> None:
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 emit(exp="prefill_attn", kind=kind, backend=backend, error=str(e)[:300])
+    _sdpa_choices(q, k, v, ref, flops)
+
+
+def _sdpa_choices(q, k, v, ref, flops: float) -> None:  # noqa: ANN001
+    """torch SDPA over the same 4096 tokens, per backend, with the [T, H, D] <-> [1, H, T, D]
+    layout changes counted (cuDNN gets K/V expanded to the query heads)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    t, hq, d = q.shape
+    group = hq // k.shape[1]
+    qh = q.view(1, t, hq, d).transpose(1, 2)
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("flash", SDPBackend.FLASH_ATTENTION)):
+        def fn(backend=backend, name=name):  # noqa: ANN001, ANN202
+            if name == "cudnn":
+                kh = k.repeat_interleave(group, dim=1).view(1, t, hq, d).transpose(1, 2)
+                vh = v.repeat_interleave(group, dim=1).view(1, t, hq, d).transpose(1, 2)
+                gqa = {}
+            else:
+                kh = k.view(1, t, -1, d).transpose(1, 2)
+                vh = v.view(1, t, -1, d).transpose(1, 2)
+                gqa = {"enable_gqa": True}
+            with sdpa_kernel(backend):
+                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, **gqa)
+            return o.transpose(1, 2).reshape(t, hq, d)
+        try:
+            o = fn()
+            sec = timed(fn, 10, warmup=2)
+            emit(exp="prefill_attn", kind="sdpa", backend=name, ms=round(sec * 1e3, 3),
+                 tflops=round(flops / sec / 1e12, 1),
+                 max_diff=float((o.float() - ref.float()).abs().max()))
+        except Exception as e:  # noqa: BLE001
+            emit(exp="prefill_attn", kind="sdpa", backend=name, error=str(e)[:300])
 
 
 def gaps(fn, name: str, layout: str) -> None:  # noqa: ANN001

@@ -1,11 +1,14 @@
 """Whether the model's elementwise ops run as fused Triton kernels (kernels/fused_norm.py,
-rope.py, silu_mul.py) or as plain torch, and whether a one-token decode step runs through the
-fused matrix-vector kernels (kernels/gemv.py, engine/models/decode_gemv.py).
+rope.py, silu_mul.py) or as plain torch, whether a one-token decode step runs through the
+fused matrix-vector kernels (kernels/gemv.py, engine/models/decode_gemv.py), and whether the
+MLP's gate_up projection of SILU_MIN_ROWS or more rows runs through our GEMM with SiLU-mul in
+its epilogue (kernels/gemm.py) instead of cuBLAS followed by the SiLU-mul kernel.
 
 Fused on CUDA when Triton imports; plain torch on CPU, with PDSERVE_FUSED_OPS=0, or inside
 `fused_ops(False)` (the torch reference the GPU tests compare against). The batch-1 GEMV path
-additionally needs PDSERVE_DECODE_GEMV unset or 1 and no `decode_gemv(False)`. A CUDA graph
-keeps what was chosen when it was captured.
+additionally needs PDSERVE_DECODE_GEMV unset or 1 and no `decode_gemv(False)`; the GEMM
+PDSERVE_GEMM_SILU unset or 1, no `gemm_silu(False)`, bf16 / fp16 and a row-major weight. A
+CUDA graph keeps what was chosen when it was captured.
 """
 
 from __future__ import annotations
@@ -19,22 +22,25 @@ from types import SimpleNamespace
 import torch
 
 _enabled = {"ops": os.environ.get("PDSERVE_FUSED_OPS", "1") != "0",
-            "gemv": os.environ.get("PDSERVE_DECODE_GEMV", "1") != "0"}
+            "gemv": os.environ.get("PDSERVE_DECODE_GEMV", "1") != "0",
+            "gemm": os.environ.get("PDSERVE_GEMM_SILU", "1") != "0"}
 
 
 @functools.cache
 def kernels() -> SimpleNamespace | None:
-    """The fused kernels (rmsnorm, apply_rope_qk_, silu_mul, gemv, qkv_rope_store), or None
-    where Triton is missing."""
+    """The fused kernels (rmsnorm, apply_rope_qk_, silu_mul, gemv, qkv_rope_store, gemm), or
+    None where Triton is missing."""
     try:
         from pdserve.kernels.fused_norm import rmsnorm
+        from pdserve.kernels.gemm import SILU_MIN_ROWS, gemm
         from pdserve.kernels.gemv import gemv, qkv_rope_store
         from pdserve.kernels.rope import apply_rope_qk_
         from pdserve.kernels.silu_mul import silu_mul
     except ImportError:
         return None
     return SimpleNamespace(rmsnorm=rmsnorm, apply_rope_qk_=apply_rope_qk_, silu_mul=silu_mul,
-                           gemv=gemv, qkv_rope_store=qkv_rope_store)
+                           gemv=gemv, qkv_rope_store=qkv_rope_store, gemm=gemm,
+                           silu_min_rows=SILU_MIN_ROWS)
 
 
 def use_fused(x: torch.Tensor) -> bool:
@@ -43,6 +49,15 @@ def use_fused(x: torch.Tensor) -> bool:
 
 def use_decode_gemv(x: torch.Tensor) -> bool:
     return _enabled["gemv"] and use_fused(x)
+
+
+def use_gemm_silu(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether gate_up(x) + SiLU-mul runs through kernels/gemm.py (x [T, K], w [2I, K]; TMA
+    wants 16-byte aligned rows)."""
+    return (_enabled["gemm"] and use_fused(x) and x.dim() == 2
+            and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+            and x.shape[0] >= kernels().silu_min_rows and x.stride(-1) == 1 and w.stride(-1) == 1
+            and x.shape[1] % 8 == 0 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
 @contextmanager
@@ -62,3 +77,8 @@ def fused_ops(enabled: bool) -> AbstractContextManager[None]:
 def decode_gemv(enabled: bool) -> AbstractContextManager[None]:
     """The batch-1 fused GEMV decode path on or off (off: cuBLAS and the separate kernels)."""
     return _override("gemv", enabled)
+
+
+def gemm_silu(enabled: bool) -> AbstractContextManager[None]:
+    """The MLP's GEMM with SiLU-mul in its epilogue on or off (off: cuBLAS + SiLU-mul kernel)."""
+    return _override("gemm", enabled)

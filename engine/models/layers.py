@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.models.fused import kernels, use_fused
+from pdserve.engine.models.fused import kernels, use_fused, use_gemm_silu
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -73,6 +73,8 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = empty_param(hidden_size, intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_gemm_silu(x, self.gate_up_proj):
+            return F.linear(kernels().gemm(x, self.gate_up_proj, silu_mul=True), self.down_proj)
         gate_up = F.linear(x, self.gate_up_proj)
         if use_fused(gate_up):
             return F.linear(kernels().silu_mul(gate_up), self.down_proj)
