@@ -1,4 +1,7 @@
-"""Rotary embedding applied to q and k in place, in one launch (one program per token).
+"""Rotary embedding applied to q and k in place, in one launch (one program per token); or, for
+a decode step, q rotated in place and the rotated k with v stored straight into their slots of
+the page-major KV pool (`apply_rope_store_`: one launch instead of RoPE then the KV store, and k
+never written back).
 
 q and k may be strided views of the fused qkv projection. cos/sin come in fp32 at half the head
 dim ([T, head_dim // 2], Hugging Face's rotate-half layout repeats them over both halves) and
@@ -11,6 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pdserve.kernels.pdl import pdl_enter, use_pdl
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -69,3 +74,69 @@ def apply_rope_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
         HQ=hq, HK=hk, HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq),
         BLOCK_HK=triton.next_power_of_2(hk), BLOCK_D=triton.next_power_of_2(d // 2),
         num_warps=4)
+
+
+@triton.jit
+def _rope_store_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
+    stride_cp, stride_co, stride_ch,
+    PAGE_SIZE: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HALF
+    c = tl.load(cos_ptr + t * stride_ct + d, mask=dm, other=0.0)[None, :]
+    s = tl.load(sin_ptr + t * stride_ct + d, mask=dm, other=0.0)[None, :]
+    _rotate(q_ptr + t * stride_qt, stride_qh, c, s, d, HQ, HALF, BLOCK_HQ)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    page = slot // PAGE_SIZE
+    h = tl.arange(0, BLOCK_HK)[:, None]
+    m = (h < HK) & dm[None, :]
+    dst = page * stride_cp + (slot - page * PAGE_SIZE) * stride_co + h * stride_ch + d[None, :]
+    kp = k_ptr + t * stride_kt + h * stride_kh + d[None, :]
+    k1 = tl.load(kp, mask=m).to(tl.float32)
+    k2 = tl.load(kp + HALF, mask=m).to(tl.float32)
+    dt = kc_ptr.dtype.element_ty
+    tl.store(kc_ptr + dst, (k1 * c - k2 * s).to(dt), mask=m)
+    tl.store(kc_ptr + dst + HALF, (k2 * c + k1 * s).to(dt), mask=m)
+    vp = v_ptr + t * stride_vt + h * stride_vh + d[None, :]
+    tl.store(vc_ptr + dst, tl.load(vp, mask=m).to(dt), mask=m)
+    tl.store(vc_ptr + dst + HALF, tl.load(vp + HALF, mask=m).to(dt), mask=m)
+
+
+def apply_rope_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slots: torch.Tensor) -> None:
+    """Rotates q [T, Hq, D] in place; writes rotated k and v ([T, Hk, D]) at token `slots` [T]
+    of the per-layer pool views k_cache / v_cache [P, page_size, Hk, D] (k is left as it was).
+    The same as `apply_rope_qk_` followed by kernels/kv_store.store_kv."""
+    t, _, d = q.shape
+    if k.shape != v.shape or k.shape[0] != t or k.shape[2] != d or d % 2:
+        raise ValueError(f"k / v: shapes {tuple(k.shape)} / {tuple(v.shape)} do not pair with q "
+                         f"{tuple(q.shape)}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q: head_dim must be the contiguous (last) dimension")
+    if cos.shape != (t, d // 2) or sin.shape != cos.shape or cos.stride() != sin.stride():
+        raise ValueError(f"cos: expected ({t}, {d // 2}) like sin, got {tuple(cos.shape)}")
+    if cos.dtype != torch.float32 or cos.stride(-1) != 1:
+        raise ValueError("cos: expected fp32 with a contiguous last dim")
+    if (k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
+            or tuple(k_cache.shape[2:]) != (k.shape[1], d)):
+        raise ValueError(f"k_cache: expected [P, page_size, {k.shape[1]}, {d}] views of one pool, "
+                         f"got {tuple(k_cache.shape)}")
+    if slots.shape != (t,):
+        raise ValueError(f"slots: expected ({t},), got {tuple(slots.shape)}")
+    if t == 0:
+        return
+    hq, hk = q.shape[1], k.shape[1]
+    pdl = use_pdl(q.device)
+    _rope_store_kernel[(t,)](
+        q, k, v, cos, sin, k_cache, v_cache, slots, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), cos.stride(0), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), PAGE_SIZE=k_cache.shape[1], HQ=hq, HK=hk,
+        HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
+        BLOCK_D=triton.next_power_of_2(d // 2), USE_PDL=pdl, num_warps=4, launch_pdl=pdl)

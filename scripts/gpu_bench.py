@@ -257,7 +257,7 @@ class Bench:
                      round(sec / piped, 3), "x")
         runner.graphs.clear()  # frees the graphs and their pool before the next section
         self._unfused_decode(name, backend, fbs[1], iters, graph_s)
-        self._gemm_silu_decode(name, backend, fbs, iters)
+        self._fusion_ab(name, backend, fbs, iters)
         self._gemm_choices(name, backend, fbs, iters)
 
     def layout(self, column_major: bool) -> None:
@@ -301,34 +301,37 @@ class Bench:
             self.rec(f"decode {name}", f"cuBLAS / GEMV step time bs=1, {layout}-major",
                      round(off / on, 3), "x")
 
-    def _gemm_silu_decode(self, name: str, backend, fbs, iters: int) -> None:  # noqa: ANN001
-        """Graph steps back to back at batch >= 64 with gate_up + SiLU-mul through our GEMM
-        (kernels/gemm.py) and through cuBLAS + the SiLU-mul kernel, alternating runs."""
+    def _fusion_ab(self, name: str, backend, fbs, iters: int) -> None:  # noqa: ANN001
+        """Graph steps back to back at batch >= 64 with and without each fusion that applies
+        there (gate_up + SiLU-mul as one GEMM, kernels/gemm.py; RoPE + KV store as one kernel,
+        kernels/rope.py), alternating runs."""
         from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
-        from pdserve.engine.models.fused import gemm_silu
+        from pdserve.engine.models.fused import gemm_silu, rope_store
 
         batches = [b for b in self.batches if b >= 64]
-        if not batches:
-            return
-        runners = {}
-        for on in (True, False):
-            with gemm_silu(on):
-                runners[on] = CudaGraphDecodeRunner(self.model, self.pool, backend,
-                                                    max(batches))
-                runners[on].capture()
-        for b in batches:
-            times = {True: [], False: []}
-            for _ in range(2):
-                for on in (True, False):
-                    times[on].append(timed_pipelined(
-                        lambda fb=fbs[b], r=runners[on]: r.replay(fb).argmax(-1), iters))
-            on, off = min(times[True]), min(times[False])
-            self.report_decode(name, "cuda-graph back to back, GEMM+SiLU", b, on)
-            self.report_decode(name, "cuda-graph back to back, cuBLAS + SiLU kernel", b, off)
-            self.rec(f"decode {name}", f"cuBLAS+SiLU / GEMM+SiLU step time bs={b}",
-                     round(off / on, 3), "x")
-        for r in runners.values():
-            r.graphs.clear()
+        for label, off_label, toggle in (("GEMM+SiLU", "cuBLAS+SiLU", gemm_silu),
+                                         ("RoPE+store", "RoPE, store", rope_store)):
+            if not batches:
+                return
+            runners = {}
+            for on in (True, False):
+                with toggle(on):
+                    runners[on] = CudaGraphDecodeRunner(self.model, self.pool, backend,
+                                                        max(batches))
+                    runners[on].capture()
+            for b in batches:
+                times = {True: [], False: []}
+                for _ in range(2):
+                    for on in (True, False):
+                        times[on].append(timed_pipelined(
+                            lambda fb=fbs[b], r=runners[on]: r.replay(fb).argmax(-1), iters))
+                on, off = min(times[True]), min(times[False])
+                self.report_decode(name, f"cuda-graph back to back, {label}", b, on)
+                self.report_decode(name, f"cuda-graph back to back, {off_label}", b, off)
+                self.rec(f"decode {name}", f"{off_label} / {label} step time bs={b}",
+                         round(off / on, 3), "x")
+            for r in runners.values():
+                r.graphs.clear()
 
     def _unfused_decode(self, name: str, backend, fb, iters: int, fused_s: float) -> None:  # noqa: ANN001
         """The same bs=1 CUDA-graph step with RMSNorm/residual, RoPE and SiLU-mul as plain torch."""

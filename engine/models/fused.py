@@ -2,7 +2,9 @@
 rope.py, silu_mul.py) or as plain torch, whether a one-token decode step runs through the
 fused matrix-vector kernels (kernels/gemv.py, engine/models/decode_gemv.py), and whether the
 MLP's gate_up projection of SILU_MIN_ROWS or more rows runs through our GEMM with SiLU-mul in
-its epilogue (kernels/gemm.py) instead of cuBLAS followed by the SiLU-mul kernel.
+its epilogue (kernels/gemm.py) instead of cuBLAS followed by the SiLU-mul kernel, and whether a
+decode step's RoPE and KV store are one kernel (kernels/rope.apply_rope_store_;
+PDSERVE_ROPE_STORE=0 or `rope_store(False)`: RoPE, then the backend's store).
 
 Fused on CUDA when Triton imports; plain torch on CPU, with PDSERVE_FUSED_OPS=0, or inside
 `fused_ops(False)` (the torch reference the GPU tests compare against). The batch-1 GEMV path
@@ -23,22 +25,24 @@ import torch
 
 _enabled = {"ops": os.environ.get("PDSERVE_FUSED_OPS", "1") != "0",
             "gemv": os.environ.get("PDSERVE_DECODE_GEMV", "1") != "0",
-            "gemm": os.environ.get("PDSERVE_GEMM_SILU", "1") != "0"}
+            "gemm": os.environ.get("PDSERVE_GEMM_SILU", "1") != "0",
+            "rope_store": os.environ.get("PDSERVE_ROPE_STORE", "1") != "0"}
 
 
 @functools.cache
 def kernels() -> SimpleNamespace | None:
-    """The fused kernels (rmsnorm, apply_rope_qk_, silu_mul, gemv, qkv_rope_store, gemm), or
-    None where Triton is missing."""
+    """The fused kernels (rmsnorm, apply_rope_qk_, apply_rope_store_, silu_mul, gemv,
+    qkv_rope_store, gemm), or None where Triton is missing."""
     try:
         from pdserve.kernels.fused_norm import rmsnorm
         from pdserve.kernels.gemm import SILU_MIN_ROWS, gemm
         from pdserve.kernels.gemv import gemv, qkv_rope_store
-        from pdserve.kernels.rope import apply_rope_qk_
+        from pdserve.kernels.rope import apply_rope_qk_, apply_rope_store_
         from pdserve.kernels.silu_mul import silu_mul
     except ImportError:
         return None
-    return SimpleNamespace(rmsnorm=rmsnorm, apply_rope_qk_=apply_rope_qk_, silu_mul=silu_mul,
+    return SimpleNamespace(rmsnorm=rmsnorm, apply_rope_qk_=apply_rope_qk_,
+                           apply_rope_store_=apply_rope_store_, silu_mul=silu_mul,
                            gemv=gemv, qkv_rope_store=qkv_rope_store, gemm=gemm,
                            silu_min_rows=SILU_MIN_ROWS)
 
@@ -49,6 +53,10 @@ def use_fused(x: torch.Tensor) -> bool:
 
 def use_decode_gemv(x: torch.Tensor) -> bool:
     return _enabled["gemv"] and use_fused(x)
+
+
+def use_rope_store(x: torch.Tensor) -> bool:
+    return _enabled["rope_store"] and use_fused(x)
 
 
 def use_gemm_silu(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -82,3 +90,8 @@ def decode_gemv(enabled: bool) -> AbstractContextManager[None]:
 def gemm_silu(enabled: bool) -> AbstractContextManager[None]:
     """The MLP's GEMM with SiLU-mul in its epilogue on or off (off: cuBLAS + SiLU-mul kernel)."""
     return _override("gemm", enabled)
+
+
+def rope_store(enabled: bool) -> AbstractContextManager[None]:
+    """A decode step's RoPE + KV store as one kernel on or off."""
+    return _override("rope_store", enabled)

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 from pdserve.engine.models import decode_gemv
-from pdserve.engine.models.fused import kernels, use_fused
+from pdserve.engine.models.fused import kernels, use_fused, use_rope_store
 from pdserve.engine.models.layers import RMSNorm, SwiGLUMLP, empty_param
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rope
 
@@ -50,11 +50,17 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
-        if use_fused(x):
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if fb.mode == ForwardMode.DECODE and use_rope_store(x):
+            # RoPE and the KV store in one launch; attention then reads K/V from the pool only.
+            pool = fb.kv_pool
+            kernels().apply_rope_store_(q, k, v, cos, sin, pool.k_view(self.layer_id),
+                                        pool.v_view(self.layer_id), fb.out_cache_loc)
+            k = v = None
+        elif use_fused(x):
             kernels().apply_rope_qk_(q, k, cos, sin)  # in place, on the qkv output
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
         o = fb.attn_backend.forward(self.layer_id, q, k, v, fb, self.scale)
         return F.linear(o.reshape(t, self.q_size), self.o_proj)
 

@@ -23,7 +23,8 @@ from pdserve.engine.loader import load_model  # noqa: E402
 from pdserve.engine.models import layers, llama  # noqa: E402
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rope  # noqa: E402
 from pdserve.kernels.fused_norm import rmsnorm, rmsnorm_reference  # noqa: E402
-from pdserve.kernels.rope import apply_rope_qk_, rope_reference  # noqa: E402
+from pdserve.kernels.kv_store import store_kv_reference  # noqa: E402
+from pdserve.kernels.rope import apply_rope_qk_, apply_rope_store_, rope_reference  # noqa: E402
 from pdserve.kernels.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,6 +92,43 @@ def test_rope_rejects_mismatch() -> None:
         apply_rope_qk_(q, _randn(2, 1, 8, seed=1), _randn(3, 4, seed=2), _randn(3, 4, seed=3))
 
 
+@pytest.mark.parametrize("hq,hk,d,page", [(4, 2, 16, 4), (6, 1, 8, 1), (3, 3, 32, 16)])
+def test_rope_store_matches_rope_then_store(hq: int, hk: int, d: int, page: int) -> None:
+    """q rotated in place, rotated k and v written at their slots of the pool's per-layer
+    views, nothing else in the pool touched, k left as it was."""
+    t = 5
+    qkv = _randn(t, (hq + 2 * hk) * d, seed=8)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+    cos, sin = RotaryEmbedding(d, 10000.0, None, DEV).cos_sin_half(
+        torch.tensor([3, 0, 17, 900, 4], device=DEV))
+    pool = _randn(6, 3, 2, page, hk, d, seed=9)  # [pages, layers, k/v, page, heads, dim]
+    want = pool.clone()
+    slots = torch.tensor([2 * page, page + page // 2, 5 * page - 1, 3 * page, 4 * page],
+                         device=DEV)
+    want_q, want_k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+    store_kv_reference(want[:, 1, 0], want[:, 1, 1], slots, want_k, v)
+    k_before = k.clone()
+    apply_rope_store_(q, k, v, cos, sin, pool[:, 1, 0], pool[:, 1, 1], slots)
+    torch.testing.assert_close(q, want_q)
+    torch.testing.assert_close(pool, want)
+    assert torch.equal(k, k_before)
+
+
+def test_rope_store_rejects_bad_shapes() -> None:
+    q, k, v = _randn(3, 2, 8, seed=0), _randn(3, 1, 8, seed=1), _randn(3, 1, 8, seed=2)
+    cos, sin = _randn(3, 4, seed=3), _randn(3, 4, seed=4)
+    pool = _randn(4, 2, 4, 1, 8, seed=5)
+    slots = torch.tensor([0, 1, 2], device=DEV)
+    with pytest.raises(ValueError, match="k / v"):
+        apply_rope_store_(q, k, v[:2], cos, sin, pool[:, 0], pool[:, 1], slots)
+    with pytest.raises(ValueError, match="k_cache"):
+        apply_rope_store_(q, k, v, cos, sin, pool[:, 0, :, :, :4], pool[:, 1, :, :, :4], slots)
+    with pytest.raises(ValueError, match="slots"):
+        apply_rope_store_(q, k, v, cos, sin, pool[:, 0], pool[:, 1], slots[:2])
+
+
 @pytest.mark.parametrize("t,n,block", [(1, 40, 16), (6, 100, 32), (0, 8, 16)])
 def test_silu_mul_matches_reference(t: int, n: int, block: int) -> None:
     gate_up = _randn(t, 2 * n, seed=6)
@@ -110,3 +148,24 @@ def test_model_with_fused_ops_matches_plain_torch(tmp_path, monkeypatch) -> None
     fused_logits = PagedRunner(model, page_size=4).extend({0: prompt})[0]
     torch.testing.assert_close(fused_logits, plain_logits, atol=1e-4, rtol=0)
     assert PagedRunner(model, page_size=4).greedy(0, prompt, 5) == plain
+
+
+def test_batched_decode_with_fused_ops_matches_plain_torch(tmp_path, monkeypatch) -> None:
+    """Decode steps of three sequences (RoPE and the KV store in one kernel, attention reading
+    K/V from the pool) against the plain-torch model: logits and the pool's contents."""
+    model, _ = load_model(write_tiny_model(tmp_path, "llama", seed=6), torch.float32, DEV)
+    prompts = {0: [5, 17, 99, 3], 1: [250, 41], 2: [7, 8, 120, 4, 9, 33, 2]}
+    plain, fused = PagedRunner(model, page_size=4), PagedRunner(model, page_size=4)
+    plain.extend(prompts)
+    fused.extend(prompts)
+    toks = {0: 11, 1: 12, 2: 13}
+    for _ in range(3):
+        want = plain.decode(toks)
+        with monkeypatch.context() as m:
+            m.setattr(layers, "use_fused", lambda x: True)
+            m.setattr(llama, "use_fused", lambda x: True)
+            m.setattr(llama, "use_rope_store", lambda x: True)
+            got = fused.decode(toks)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(fused.pool.buffer, plain.pool.buffer, atol=1e-5, rtol=0)
+        toks = {s: int(t) for s, t in zip(toks, want.argmax(-1))}
