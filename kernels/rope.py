@@ -40,17 +40,25 @@ def _rotate(base, stride_h, c, s, d, HEADS: tl.constexpr, HALF: tl.constexpr,
 
 
 @triton.jit
+def _rotate_q(q_ptr, cos_ptr, sin_ptr, t, stride_qt, stride_qh, stride_ct, HQ: tl.constexpr,
+              HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token t's cos / sin ([1, BLOCK_D]); rotates its q heads in place."""
+    d = tl.arange(0, BLOCK_D)
+    c = tl.load(cos_ptr + t * stride_ct + d, mask=d < HALF, other=0.0)[None, :]
+    s = tl.load(sin_ptr + t * stride_ct + d, mask=d < HALF, other=0.0)[None, :]
+    _rotate(q_ptr + t * stride_qt, stride_qh, c, s, d, HQ, HALF, BLOCK_HQ)
+    return d, c, s
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
     HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    dm = d < HALF
-    c = tl.load(cos_ptr + t * stride_ct + d, mask=dm, other=0.0)[None, :]
-    s = tl.load(sin_ptr + t * stride_ct + d, mask=dm, other=0.0)[None, :]
-    _rotate(q_ptr + t * stride_qt, stride_qh, c, s, d, HQ, HALF, BLOCK_HQ)
+    d, c, s = _rotate_q(q_ptr, cos_ptr, sin_ptr, t, stride_qt, stride_qh, stride_ct, HQ, HALF,
+                        BLOCK_HQ, BLOCK_D)
     _rotate(k_ptr + t * stride_kt, stride_kh, c, s, d, HK, HALF, BLOCK_HK)
 
 
@@ -87,15 +95,12 @@ def _rope_store_kernel(
 ):
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    dm = d < HALF
-    c = tl.load(cos_ptr + t * stride_ct + d, mask=dm, other=0.0)[None, :]
-    s = tl.load(sin_ptr + t * stride_ct + d, mask=dm, other=0.0)[None, :]
-    _rotate(q_ptr + t * stride_qt, stride_qh, c, s, d, HQ, HALF, BLOCK_HQ)
+    d, c, s = _rotate_q(q_ptr, cos_ptr, sin_ptr, t, stride_qt, stride_qh, stride_ct, HQ, HALF,
+                        BLOCK_HQ, BLOCK_D)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     page = slot // PAGE_SIZE
     h = tl.arange(0, BLOCK_HK)[:, None]
-    m = (h < HK) & dm[None, :]
+    m = (h < HK) & (d[None, :] < HALF)
     dst = page * stride_cp + (slot - page * PAGE_SIZE) * stride_co + h * stride_ch + d[None, :]
     kp = k_ptr + t * stride_kt + h * stride_kh + d[None, :]
     k1 = tl.load(kp, mask=m).to(tl.float32)
