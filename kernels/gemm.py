@@ -13,6 +13,8 @@ matmul.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -120,6 +122,17 @@ DEFAULT_CONFIG: Config = (128, 128, 64, 8, 1, 8, 4)
 # Fewest rows for which the model's MLP runs gate_up + SiLU-mul through `gemm` (below that,
 # cuBLAS and kernels/silu_mul.py).
 SILU_MIN_ROWS = 64
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def supported(device: torch.device) -> bool:
+    """Whether the engine uses this GEMM on `device`: CUDA with TMA (Hopper and later), the only
+    GPUs it was measured on."""
+    return device.type == "cuda" and _capability(device.index or 0)[0] >= 9
 
 
 def silu_config(m: int) -> Config:

@@ -9,8 +9,8 @@ PDSERVE_ROPE_STORE=0 or `rope_store(False)`: RoPE, then the backend's store).
 Fused on CUDA when Triton imports; plain torch on CPU, with PDSERVE_FUSED_OPS=0, or inside
 `fused_ops(False)` (the torch reference the GPU tests compare against). The batch-1 GEMV path
 additionally needs PDSERVE_DECODE_GEMV unset or 1 and no `decode_gemv(False)`; the GEMM
-PDSERVE_GEMM_SILU unset or 1, no `gemm_silu(False)`, bf16 / fp16 and a row-major weight. A
-CUDA graph keeps what was chosen when it was captured.
+PDSERVE_GEMM_SILU unset or 1, no `gemm_silu(False)`, bf16 / fp16, a row-major weight and a
+Hopper or later GPU (TMA). A CUDA graph keeps what was chosen when it was captured.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def kernels() -> SimpleNamespace | None:
     try:
         from pdserve.kernels.fused_norm import rmsnorm
         from pdserve.kernels.gemm import SILU_MIN_ROWS, gemm
+        from pdserve.kernels.gemm import supported as gemm_supported
         from pdserve.kernels.gemv import gemv, qkv_rope_store
         from pdserve.kernels.rope import apply_rope_qk_, apply_rope_store_
         from pdserve.kernels.silu_mul import silu_mul
@@ -44,7 +45,7 @@ def kernels() -> SimpleNamespace | None:
     return SimpleNamespace(rmsnorm=rmsnorm, apply_rope_qk_=apply_rope_qk_,
                            apply_rope_store_=apply_rope_store_, silu_mul=silu_mul,
                            gemv=gemv, qkv_rope_store=qkv_rope_store, gemm=gemm,
-                           silu_min_rows=SILU_MIN_ROWS)
+                           gemm_supported=gemm_supported, silu_min_rows=SILU_MIN_ROWS)
 
 
 def use_fused(x: torch.Tensor) -> bool:
@@ -64,7 +65,8 @@ def use_gemm_silu(x: torch.Tensor, w: torch.Tensor) -> bool:
     wants 16-byte aligned rows)."""
     return (_enabled["gemm"] and use_fused(x) and x.dim() == 2
             and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
-            and x.shape[0] >= kernels().silu_min_rows and x.stride(-1) == 1 and w.stride(-1) == 1
+            and x.shape[0] >= kernels().silu_min_rows and kernels().gemm_supported(x.device)
+            and x.stride(-1) == 1 and w.stride(-1) == 1
             and x.shape[1] % 8 == 0 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
 
 

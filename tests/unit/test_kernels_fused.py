@@ -105,8 +105,9 @@ def test_rope_store_matches_rope_then_store(hq: int, hk: int, d: int, page: int)
         torch.tensor([3, 0, 17, 900, 4], device=DEV))
     pool = _randn(6, 3, 2, page, hk, d, seed=9)  # [pages, layers, k/v, page, heads, dim]
     want = pool.clone()
-    slots = torch.tensor([2 * page, page + page // 2, 5 * page - 1, 3 * page, 4 * page],
-                         device=DEV)
+    # Distinct slots at every page size (two tokens on one slot would race on the GPU).
+    slots = (torch.tensor([2, 1, 5, 3, 0]) * page
+             + torch.tensor([0, page // 2, page - 1, 0, page - 1])).to(DEV)
     want_q, want_k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
     store_kv_reference(want[:, 1, 0], want[:, 1, 1], slots, want_k, v)
     k_before = k.clone()

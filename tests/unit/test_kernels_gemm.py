@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from pdserve.kernels.gemm import gemm, gemm_reference, silu_config  # noqa: E402
+from pdserve.kernels.gemm import gemm, gemm_reference, silu_config, supported  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
@@ -69,9 +69,10 @@ def test_gemm_rejects_bad_shapes() -> None:
         gemm(x, _randn(32, 16, seed=6, dtype=torch.float16).t())
 
 
-def test_silu_config_by_rows() -> None:
+def test_silu_config_by_rows_and_devices() -> None:
     assert silu_config(64)[:2] == (64, 64)
     assert silu_config(65)[:2] == (128, 128)
+    assert not supported(torch.device("cpu"))  # the engine keeps torch ops there
 
 
 def test_mlp_through_gemm_matches_plain_torch(tmp_path, monkeypatch) -> None:
@@ -95,3 +96,17 @@ def test_mlp_through_gemm_matches_plain_torch(tmp_path, monkeypatch) -> None:
     want = PagedRunner(model, page_size=4).extend({1: prompt})
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert int(got.argmax()) == int(want.argmax())
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="needs a GPU")
+def test_mlp_takes_the_gemm_on_a_hopper_gpu() -> None:
+    """The engine's choice on the GPU: 64+ bf16 rows take the fused GEMM on Hopper and later,
+    fewer rows or the switch off do not."""
+    from pdserve.engine.models.fused import gemm_silu, use_gemm_silu
+
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    w = _randn(256, 128, seed=8, dtype=torch.bfloat16)
+    assert use_gemm_silu(_randn(64, 128, seed=9, dtype=torch.bfloat16), w) == hopper
+    assert not use_gemm_silu(_randn(63, 128, seed=9, dtype=torch.bfloat16), w)
+    with gemm_silu(False):
+        assert not use_gemm_silu(_randn(64, 128, seed=9, dtype=torch.bfloat16), w)
