@@ -13,13 +13,13 @@ matmul.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from pdserve.kernels.pdl import hopper_or_later
 
 
 def gemm_reference(x: torch.Tensor, w: torch.Tensor, *, silu_mul: bool = False,
@@ -124,15 +124,10 @@ DEFAULT_CONFIG: Config = (128, 128, 64, 8, 1, 8, 4)
 SILU_MIN_ROWS = 64
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def supported(device: torch.device) -> bool:
     """Whether the engine uses this GEMM on `device`: CUDA with TMA (Hopper and later), the only
     GPUs it was measured on."""
-    return device.type == "cuda" and _capability(device.index or 0)[0] >= 9
+    return hopper_or_later(device)
 
 
 def silu_config(m: int) -> Config:

@@ -22,14 +22,20 @@ pdl_enabled = os.environ.get("PDSERVE_PDL", "1") != "0"
 
 
 @functools.cache
-def _pdl_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def hopper_or_later(device: torch.device) -> bool:
+    """Whether `device` is a CUDA GPU of compute capability 9 or more (PDL, TMA)."""
+    return device.type == "cuda" and _capability(device.index if device.index is not None
+                                                 else 0)[0] >= 9
 
 
 def use_pdl(device: torch.device) -> bool:
     """Whether to launch with PDL on `device` (never in the CPU interpreter)."""
-    return (pdl_enabled and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and _pdl_capable(device.index if device.index is not None else 0))
+    return (pdl_enabled and os.environ.get("TRITON_INTERPRET") != "1"
+            and hopper_or_later(device))
 
 
 @triton.jit

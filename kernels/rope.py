@@ -26,6 +26,13 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
+def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, t: int, d: int) -> None:
+    if cos.shape != (t, d // 2) or sin.shape != cos.shape or cos.stride() != sin.stride():
+        raise ValueError(f"cos: expected ({t}, {d // 2}) like sin, got {tuple(cos.shape)}")
+    if cos.dtype != torch.float32 or cos.stride(-1) != 1:
+        raise ValueError("cos: expected fp32 with a contiguous last dim")
+
+
 @triton.jit
 def _rotate(base, stride_h, c, s, d, HEADS: tl.constexpr, HALF: tl.constexpr,
             BLOCK_H: tl.constexpr):
@@ -70,10 +77,7 @@ def apply_rope_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
         raise ValueError(f"k: shape {tuple(k.shape)} does not pair with q {tuple(q.shape)}")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q: head_dim must be the contiguous (last) dimension")
-    if cos.shape != (t, d // 2) or sin.shape != cos.shape or cos.stride() != sin.stride():
-        raise ValueError(f"cos: expected ({t}, {d // 2}) like sin, got {tuple(cos.shape)}")
-    if cos.dtype != torch.float32 or cos.stride(-1) != 1:
-        raise ValueError("cos: expected fp32 with a contiguous last dim")
+    _check_cos_sin(cos, sin, t, d)
     if t == 0:
         return
     hq, hk = q.shape[1], k.shape[1]
@@ -125,10 +129,7 @@ def apply_rope_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
                          f"{tuple(q.shape)}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q: head_dim must be the contiguous (last) dimension")
-    if cos.shape != (t, d // 2) or sin.shape != cos.shape or cos.stride() != sin.stride():
-        raise ValueError(f"cos: expected ({t}, {d // 2}) like sin, got {tuple(cos.shape)}")
-    if cos.dtype != torch.float32 or cos.stride(-1) != 1:
-        raise ValueError("cos: expected fp32 with a contiguous last dim")
+    _check_cos_sin(cos, sin, t, d)
     if (k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
             or tuple(k_cache.shape[2:]) != (k.shape[1], d)):
         raise ValueError(f"k_cache: expected [P, page_size, {k.shape[1]}, {d}] views of one pool, "

@@ -309,10 +309,10 @@ class Bench:
         from pdserve.engine.models.fused import gemm_silu, rope_store
 
         batches = [b for b in self.batches if b >= 64]
+        if not batches:
+            return
         for label, off_label, toggle in (("GEMM+SiLU", "cuBLAS+SiLU", gemm_silu),
                                          ("RoPE+store", "RoPE, store", rope_store)):
-            if not batches:
-                return
             runners = {}
             for on in (True, False):
                 with toggle(on):
