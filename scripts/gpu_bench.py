@@ -19,7 +19,8 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -304,15 +305,30 @@ class Bench:
     def _fusion_ab(self, name: str, backend, fbs, iters: int) -> None:  # noqa: ANN001
         """Graph steps back to back at batch >= 64 with and without each fusion that applies
         there (gate_up + SiLU-mul as one GEMM, kernels/gemm.py; RoPE + KV store as one kernel,
-        kernels/rope.py), alternating runs."""
+        kernels/rope.py), and for the flashinfer backend with our Triton decode attention
+        against FlashInfer's BatchDecode; alternating runs."""
         from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
         from pdserve.engine.models.fused import gemm_silu, rope_store
 
         batches = [b for b in self.batches if b >= 64]
         if not batches:
             return
-        for label, off_label, toggle in (("GEMM+SiLU", "cuBLAS+SiLU", gemm_silu),
-                                         ("RoPE+store", "RoPE, store", rope_store)):
+        toggles = [("GEMM+SiLU", "cuBLAS+SiLU", gemm_silu),
+                   ("RoPE+store", "RoPE, store", rope_store)]
+        if hasattr(backend, "triton_decode_max_batch"):  # flashinfer: whose decode kernel
+
+            @contextmanager
+            def triton_decode(on: bool) -> Iterator[None]:
+                saved = backend.triton_decode_max_batch
+                backend.triton_decode_max_batch = None if on else 0
+                try:
+                    yield
+                finally:
+                    backend.triton_decode_max_batch = saved
+
+            toggles.append(("Triton decode attention", "FlashInfer decode attention",
+                            triton_decode))
+        for label, off_label, toggle in toggles:
             runners = {}
             for on in (True, False):
                 with toggle(on):

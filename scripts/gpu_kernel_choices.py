@@ -14,7 +14,8 @@ measured on the GPU in one run (the choices the engine makes are checked against
 - the batch-1 GEMV kernels (kernels/gemv.py) per layer matrix against cuBLAS / cuBLASLt, over a
   sweep of block shapes and warps, plain and with their fused prologues / epilogues.
 
-usage: python scripts/gpu_kernel_choices.py [--only linear,decode,prefill,prefill_model,gemv]
+usage: python scripts/gpu_kernel_choices.py
+    [--only linear,decode,prefill,prefill_model,gemv,read,decode_variants,decode_sweep]
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def decode_choices() -> None:
     from pdserve.engine.attention.flashinfer_backend import page_tables
     from pdserve.engine.attention.triton_backend import TritonAttentionBackend
     from pdserve.engine.kv_pool import KVPool
-    from pdserve.kernels.decode_attention import decode_attention, default_num_splits
+    from pdserve.kernels.decode_attention import decode_attention, decode_plan, launch_config
 
     layers, hq, hk, d, ctx = 32, 32, 8, 128, 1024
     pool = KVPool(256 * (ctx // 16) + 64, layers, 16, hk, d, torch.bfloat16, "cuda")
@@ -244,19 +245,173 @@ def decode_choices() -> None:
             res[f"flashinfer_tc{int(tc)}"] = graph_time(
                 lambda i, w=w, q=q, views=views: w.run(q, views[i]), layers)
             ref = w.run(q, views[0]) if ref is None else ref
-        default = default_num_splits(bs, hk, torch.cuda.get_device_properties(0)
-                                     .multi_processor_count)
-        for splits in sorted({default, 4, 8, 16, 32}):
-            def run(i, s=splits, q=q, views=views, fb=fb):  # noqa: ANN001, ANN202
-                return decode_attention(q, *views[i], fb.kv_indptr, fb.kv_indices, d**-0.5,
-                                        num_splits=s)
-            res[f"triton_s{splits}{'*' if splits == default else ''}"] = graph_time(run, layers)
-            diff = float((run(0).float() - ref.float()).abs().max())
-            emit(exp="decode_check", bs=bs, splits=splits, max_diff_vs_flashinfer=diff)
+        cfg = launch_config(bs, hk, torch.cuda.get_device_properties(0).multi_processor_count)
+        plan = decode_plan(fb.kv_indptr, bs, cfg["target_items"], cfg["block_n"])
+        res["triton_worklist"] = graph_time(
+            lambda i, q=q, fb=fb, plan=plan, views=views, st=cfg["num_stages"]: decode_attention(
+                q, *views[i], fb.kv_indptr, fb.kv_indices, d**-0.5, plan, num_stages=st), layers)
         for vname, sec in res.items():
             emit(exp="decode_attn", bs=bs, ctx=ctx, variant=vname, us_per_layer=round(sec * 1e6, 2),
                  kv_tbps=round(kvbytes / layers / sec / 1e12, 2))
 
+
+def read_ceiling() -> None:
+    """How fast HBM can be read at all: a 4 GiB device copy (bytes read + written, the
+    roofline's baseline), torch.sum (read only) and a Triton read-only kernel over a grid of
+    programs, block sizes and warps; and a fill (write only)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        base = pid.to(tl.int64) * BLOCK * ITERS
+        for i in range(ITERS):
+            offs = base + i * BLOCK + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0,
+                           eviction_policy="evict_first").to(tl.float32)
+        tl.store(out_ptr + pid, tl.sum(acc))
+
+    n = 2 << 30  # bf16 elements: 4 GiB
+    x = torch.randn(n // 1024, 1024, device="cuda", dtype=torch.bfloat16).view(-1)
+    y = torch.empty_like(x)
+    nbytes = n * 2
+    for name, fn, moved in (("copy", lambda: y.copy_(x), 2 * nbytes),
+                            ("fill", lambda: y.fill_(1.0), nbytes),
+                            ("torch_sum", lambda: x.sum(), nbytes)):
+        sec = timed(fn, 10, warmup=2)
+        emit(exp="read_ceiling", variant=name, tbps=round(moved / sec / 1e12, 3))
+    for block, warps, iters in ((4096, 8, 16), (8192, 8, 16), (8192, 16, 8), (16384, 16, 8),
+                                (4096, 4, 64), (8192, 8, 64)):
+        progs = -(-n // (block * iters))
+        out = torch.empty(progs, device="cuda", dtype=torch.float32)
+        fn = lambda b=block, w=warps, it=iters, g=progs, o=out: _read[(g,)](  # noqa: E731
+            x, o, n, BLOCK=b, ITERS=it, num_warps=w)
+        sec = timed(fn, 10, warmup=2)
+        emit(exp="read_ceiling", variant=f"triton_b{block}_w{warps}_i{iters}",
+             tbps=round(nbytes / sec / 1e12, 3))
+
+
+def decode_variants() -> None:
+    """FlashInfer decode attention at batch 64 / 256, context 1k, over the 32 layers of a
+    paged pool: the tensor-core wrapper as used, without split-KV, with a fixed split size,
+    and the prefill wrappers (FA2 / FA3) with one query per request."""
+    import flashinfer
+    from gpu_harness import PagedSeqs
+
+    from pdserve.engine.attention.flashinfer_backend import page_tables
+    from pdserve.engine.attention.triton_backend import TritonAttentionBackend
+    from pdserve.engine.kv_pool import KVPool
+
+    layers, hq, hk, d, ctx, ps = 32, 32, 8, 128, 1024, 16
+    pool = KVPool(256 * (ctx // ps) + 64, layers, ps, hk, d, torch.bfloat16, "cuda")
+    pool.buffer.normal_()
+    seqs = PagedSeqs(pool, TritonAttentionBackend("cuda"), seed=1)
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    views = [(pool.k_view(i), pool.v_view(i)) for i in range(layers)]
+    for bs in (64, 256):
+        seqs.pretend_context(bs, ctx - 1)
+        fb = seqs.batch([[7]] * bs)
+        q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16)
+        kvbytes = bs * ctx * layers * 2 * hk * d * 2
+        indptr, idx, last = page_tables(fb, torch.device("cuda"))
+        common = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=d**-0.5)
+        ref = None
+        variants = [("tc", {}), ("tc_nosplit", {"disable_split_kv": True}),
+                    ("tc_split16", {"fixed_split_size": 16}),
+                    ("tc_split32", {"fixed_split_size": 32})]
+        for vname, extra in variants:
+            try:
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+                w.plan(indptr, idx, last, hq, hk, d, ps, **common, **extra)
+                o = w.run(q, views[0])
+                ref = o if ref is None else ref
+                sec = graph_time(lambda i, w=w, q=q: w.run(q, views[i]), layers)
+                emit(exp="decode_variant", bs=bs, variant=vname, us_per_layer=round(sec * 1e6, 2),
+                     kv_tbps=round(kvbytes / layers / sec / 1e12, 3),
+                     max_diff=float((o.float() - ref.float()).abs().max()))
+            except Exception as e:  # noqa: BLE001
+                emit(exp="decode_variant", bs=bs, variant=vname, error=str(e)[:300])
+        qo = torch.arange(bs + 1, dtype=torch.int32)
+        for backend in ("fa2", "fa3"):
+            try:
+                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+                w.plan(qo, indptr, idx, last, hq, hk, d, ps, causal=False, **common)
+                o = w.run(q, views[0])
+                sec = graph_time(lambda i, w=w, q=q: w.run(q, views[i]), layers)
+                emit(exp="decode_variant", bs=bs, variant=f"prefill_{backend}",
+                     us_per_layer=round(sec * 1e6, 2),
+                     kv_tbps=round(kvbytes / layers / sec / 1e12, 3),
+                     max_diff=float((o.float() - ref.float()).abs().max()))
+            except Exception as e:  # noqa: BLE001
+                emit(exp="decode_variant", bs=bs, variant=f"prefill_{backend}", error=str(e)[:300])
+
+
+# Launch choices of our work-list decode kernel per batch: (target_items, block_n, stages).
+# None: launch_config's. An earlier sweep of even splits (1 / 2 / 4 / 8) x tiles (32 / 64 /
+# 128 / 256) x warps (4 / 8) x stages (1-4) x grid and load order found one item per sequence
+# best at batch 64 and 256 (docs/performance.md).
+DECODE_SWEEP = {
+    256: [None, (256, 64, 3), (256, 128, 3), (512, 128, 2)],
+    64: [None, (64, 128, 2), (128, 64, 3)],
+    8: [None, (64, 64, 2), (128, 64, 3)],
+    1: [None, (16, 64, 2), (32, 64, 3)],
+}
+
+
+def decode_sweep() -> None:
+    """Our work-list decode kernel (DECODE_SWEEP) at context 1k, and at batch 64 with one
+    sequence of 32k among 63 of 1k, over the 32 layers of a paged pool, against FlashInfer's
+    tensor-core decode in the same run."""
+    import flashinfer
+    from gpu_harness import PagedSeqs
+
+    from pdserve.engine.attention.flashinfer_backend import page_tables
+    from pdserve.engine.attention.triton_backend import TritonAttentionBackend
+    from pdserve.engine.kv_pool import KVPool
+    from pdserve.kernels.decode_attention import decode_attention, decode_plan, launch_config
+
+    layers, hq, hk, d, ps = 32, 32, 8, 128, 16
+    pool = KVPool(256 * 64 + 64, layers, ps, hk, d, torch.bfloat16, "cuda")
+    pool.buffer.normal_()
+    seqs = PagedSeqs(pool, TritonAttentionBackend("cuda"), seed=1)
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    views = [(pool.k_view(i), pool.v_view(i)) for i in range(layers)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cases = [(bs, [1024] * bs, grid) for bs, grid in DECODE_SWEEP.items()]
+    cases.append((64, [1024] * 63 + [32768], [None, (64, 128, 2)]))
+    for bs, lens, grid in cases:
+        seqs.pretend_context(bs, [n - 1 for n in lens])
+        fb = seqs.batch([[7]] * bs)
+        q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16)
+        kvbytes = sum(lens) * layers * 2 * hk * d * 2
+        label = "uniform" if len(set(lens)) == 1 else "one 32k"
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+        w.plan(*page_tables(fb, torch.device("cuda")), hq, hk, d, ps,
+               q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=d**-0.5)
+        ref = w.run(q, views[0])
+        sec = graph_time(lambda i, w=w, q=q: w.run(q, views[i]), layers)
+        emit(exp="decode_sweep", bs=bs, lens=label, variant="flashinfer_tc",
+             us_per_layer=round(sec * 1e6, 2), kv_tbps=round(kvbytes / layers / sec / 1e12, 3))
+        for choice in grid:
+            cfg = launch_config(bs, hk, sms)
+            if choice is not None:
+                cfg = dict(zip(("target_items", "block_n", "num_stages"), choice))
+
+            def run(i: int, cfg=cfg, q=q, fb=fb, bs=bs) -> torch.Tensor:  # noqa: ANN001
+                plan = decode_plan(fb.kv_indptr, bs, cfg["target_items"], cfg["block_n"])
+                return decode_attention(q, *views[i], fb.kv_indptr, fb.kv_indices, d**-0.5,
+                                        plan, num_stages=cfg["num_stages"])
+            try:
+                diff = float((run(0).float() - ref.float()).abs().max())
+                sec = graph_time(run, layers, reps=5)
+            except Exception as e:  # noqa: BLE001
+                emit(exp="decode_sweep", bs=bs, lens=label, **cfg, error=str(e)[:200])
+                continue
+            emit(exp="decode_sweep", bs=bs, lens=label, default=choice is None, **cfg,
+                 us_per_layer=round(sec * 1e6, 2),
+                 kv_tbps=round(kvbytes / layers / sec / 1e12, 3), max_diff=diff)
 
 def prefill_choices() -> None:
     import flashinfer
@@ -416,7 +571,9 @@ def main() -> int:
     p.add_argument("--only", default="linear,decode,prefill_model,prefill")
     args = p.parse_args()
     fns = {"linear": linear_choices, "decode": decode_choices, "prefill": prefill_choices,
-           "prefill_model": prefill_model, "gemv": gemv_choices}
+           "prefill_model": prefill_model, "gemv": gemv_choices,
+           "read": read_ceiling, "decode_variants": decode_variants,
+           "decode_sweep": decode_sweep}
     for name in args.only.split(","):
         t0 = time.perf_counter()
         print(f"== {name}", flush=True)

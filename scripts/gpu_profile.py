@@ -17,7 +17,8 @@ from collections import defaultdict
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "tests", "gpu")]  # also under python -P
 from gpu_bench import kv_read_bytes, make_backend, timed  # noqa: E402
 from gpu_harness import PagedSeqs, llama3_8b_config, random_model  # noqa: E402
 

@@ -7,11 +7,13 @@ as they come out of the projection (causal; they are still stored into the pool 
 transfer): it needs no page tables and reads contiguous rows, 1.23x faster than the paged
 kernel on a 4096-token prompt on an H200 (docs/performance.md). EXTEND over a cached prefix uses
 BatchPrefillWithPagedKVCacheWrapper (causal, over prefix + new tokens, whose K/V are stored
-first); DECODE uses BatchDecodeWithPagedKVCacheWrapper, with tensor cores when the GQA group
-is >= 4, except for batches of at most SMALL_DECODE_BATCH sequences, which run our Triton
-split-KV kernel (kernels/decode_attention.py): on an H200 at context 1k it took 7.6 / 17.1 µs
-per layer at batch 1 / 8 against FlashInfer's 9.1 / 18.8, and 87.8 against 72.3 at batch 64
-(docs/performance.md). FlashInfer picks its FA3 kernels on Hopper for both prefill wrappers.
+first). DECODE batches of up to `triton_decode_max_batch` sequences (default: all of them;
+`PDSERVE_TRITON_DECODE_MAX_BATCH` sets it, 0 = none) run our Triton work-list kernel
+(kernels/decode_attention.py), the others BatchDecodeWithPagedKVCacheWrapper, with tensor
+cores when the GQA group is >= 4. On an H200 at context 1k the Triton kernel took 7.6 / 17.1 /
+66.5 / 250.1 µs per layer at batch 1 / 8 / 64 / 256 against FlashInfer's 9.1 / 18.8 / 72.4 /
+256.3 (docs/performance.md). FlashInfer picks its FA3 kernels on Hopper for both prefill
+wrappers.
 
 FlashInfer wants page-level tables: each sequence's token slots are page-aligned
 runs (offset j of a sequence sits at offset j % page_size of its page), so its pages are
@@ -25,6 +27,8 @@ For CUDA graphs, `engine/cuda_graph.py` installs a decode wrapper built with
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pdserve.engine.attention.base import AttentionBackend
@@ -32,7 +36,11 @@ from pdserve.engine.attention.triton_backend import TritonAttentionBackend
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 256 << 20
-SMALL_DECODE_BATCH = 8
+
+
+def _triton_decode_max_batch() -> int | None:
+    value = os.environ.get("PDSERVE_TRITON_DECODE_MAX_BATCH", "").strip()
+    return int(value) if value else None
 
 
 def page_tables(fb: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -79,7 +87,9 @@ class FlashInferAttentionBackend(AttentionBackend):
 
         self._flashinfer = flashinfer
         self._store = store_kv
-        self._small_decode = TritonAttentionBackend(device)  # batches <= SMALL_DECODE_BATCH
+        self._triton_decode = TritonAttentionBackend(device)
+        # Decode batches of at most this many sequences run the Triton kernel (None: all).
+        self.triton_decode_max_batch = _triton_decode_max_batch()
         self.device = torch.device(device)
         self.num_heads = num_heads  # known up front, or taken from the first layer's q
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
@@ -92,6 +102,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._wrapper: object | None = None
         self._scale = 0.0
         self.lazy_extend_plan = True
+
+    def triton_decodes(self, batch_size: int) -> bool:
+        """Whether a decode batch of this size runs the Triton kernel (else FlashInfer's)."""
+        limit = self.triton_decode_max_batch
+        return limit is None or batch_size <= limit
 
     @staticmethod
     def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
@@ -134,9 +149,9 @@ class FlashInferAttentionBackend(AttentionBackend):
                               causal=True, **common)
             self._planned = fb
             return
-        if fb.mode == ForwardMode.DECODE and fb.batch_size <= SMALL_DECODE_BATCH:
+        if fb.mode == ForwardMode.DECODE and self.triton_decodes(fb.batch_size):
             self._wrapper = None  # the Triton backend's decode: reads token slots, no tables
-            self._small_decode.init_forward(fb)
+            self._triton_decode.init_forward(fb)
             self._planned = fb
             return
         indptr, indices, last = page_tables(fb, self.device)
@@ -179,7 +194,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 raise ValueError(f"num_heads: planned {self.num_heads}, q has {q.shape[1]}")
             self.plan(fb, q.shape[1], scale)
         if self._wrapper is None:  # K/V stored above
-            return self._small_decode.forward(layer_id, q, None, None, fb, scale)
+            return self._triton_decode.forward(layer_id, q, None, None, fb, scale)
         if self._wrapper is self._ragged:
             if k is None or v is None:
                 raise ValueError("k: the ragged prefill reads the new K/V, pass them")

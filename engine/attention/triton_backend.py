@@ -2,7 +2,9 @@
 extend attention over a cached prefix. Reads the page-major pool through per-layer views.
 
 Decode launches depend only on the batch size (lengths are read on the device), so a decode
-pass is CUDA-graph safe; `num_splits` is fixed per batch size.
+pass is CUDA-graph safe. The work list of a decode pass (`decode_attention.decode_plan`) is
+made on the device at the pass's first layer (a layer id not above the previous call's starts
+a pass) and shared by the others; so a captured graph makes it again at each replay.
 """
 
 from __future__ import annotations
@@ -21,21 +23,24 @@ class TritonAttentionBackend(AttentionBackend):
         self._store = kv_store.store_kv
         self._decode = decode_attention.decode_attention
         self._extend = extend_attention.extend_attention
-        self._num_splits_for = decode_attention.default_num_splits
-        dev = torch.device(device) if device is not None else None
-        self._num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count
-                         if dev is not None and dev.type == "cuda" else 4)
+        self._plan = decode_attention.decode_plan
+        self._launch_config = decode_attention.launch_config
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        self._num_sms = decode_attention.num_sms(dev)
         self._fb: ForwardBatch | None = None
         self._qo_indptr: torch.Tensor | None = None
         self._max_extend = 0
-        self._num_splits = 1
+        self._decode_cfg: dict[str, int] = {}
+        self._decode_plan = None
+        self._last_layer = -1
 
     def init_forward(self, fb: ForwardBatch) -> None:
         self._fb = fb
         self._qo_indptr = None
+        self._decode_plan = None
         if fb.mode == ForwardMode.DECODE:
-            self._num_splits = self._num_splits_for(fb.batch_size, fb.kv_pool.num_kv_heads,
-                                                    self._num_sms)
+            self._decode_cfg = self._launch_config(fb.batch_size, fb.kv_pool.num_kv_heads,
+                                                   self._num_sms)
             return
         ext = fb.extend_lens
         self._qo_indptr = torch.zeros(ext.shape[0] + 1, dtype=torch.int64, device=ext.device)
@@ -63,7 +68,12 @@ class TritonAttentionBackend(AttentionBackend):
             q = q.contiguous()
         qo_indptr = self._qo_indptr
         if fb.mode == ForwardMode.DECODE or qo_indptr is None:
+            cfg = self._decode_cfg
+            if self._decode_plan is None or layer_id <= self._last_layer:  # a new pass
+                self._decode_plan = self._plan(fb.kv_indptr, fb.batch_size, cfg["target_items"],
+                                               cfg["block_n"])
+            self._last_layer = layer_id
             return self._decode(q, kc, vc, fb.kv_indptr, fb.kv_indices, scale,
-                                num_splits=self._num_splits)
+                                self._decode_plan, num_stages=cfg["num_stages"])
         return self._extend(q, kc, vc, qo_indptr, fb.kv_indptr, fb.kv_indices, scale,
                             max_extend_len=self._max_extend)

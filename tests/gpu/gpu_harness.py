@@ -100,12 +100,14 @@ class PagedSeqs:
         self.lens = total
         return fb
 
-    def pretend_context(self, num_seqs: int, context_len: int) -> None:
-        """Gives each sequence `context_len` tokens of (garbage) KV without running them."""
+    def pretend_context(self, num_seqs: int, context_len: int | list[int]) -> None:
+        """Gives each sequence `context_len` tokens (or sequence i `context_len[i]`) of
+        (garbage) KV without running them."""
+        lens = [context_len] * num_seqs if isinstance(context_len, int) else list(context_len)
         self.reset(num_seqs)
         for i in range(num_seqs):
-            self._slots(i, 0, context_len)
-        self.lens = [context_len] * num_seqs
+            self._slots(i, 0, lens[i])
+        self.lens = lens
 
 
 def eager_step(model: torch.nn.Module) -> Callable[[ForwardBatch], torch.Tensor]:

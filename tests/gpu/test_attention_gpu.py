@@ -26,17 +26,23 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-BACKENDS = ["triton", "flashinfer"]
+# flashinfer-decode: the flashinfer backend with FlashInfer's BatchDecode for every decode
+# batch (by default its decode batches run our Triton kernel).
+BACKENDS = ["triton", "flashinfer", "flashinfer-decode"]
 
 
 def _backend(name: str, num_heads: int):
-    if name == "flashinfer":
+    if name.startswith("flashinfer"):
         if os.environ.get("PDSERVE_SKIP_FLASHINFER"):
             pytest.skip("PDSERVE_SKIP_FLASHINFER set")
         pytest.importorskip("flashinfer")
     from pdserve.engine.model_runner import default_attention_backend
 
-    return default_attention_backend(torch.device("cuda"), name, num_heads=num_heads)
+    backend = default_attention_backend(torch.device("cuda"), name.split("-")[0],
+                                        num_heads=num_heads)
+    if name == "flashinfer-decode":
+        backend.triton_decode_max_batch = 0
+    return backend
 
 
 def _paged(seq_lens: list[int], page: int, num_pages: int, seed: int):
@@ -52,10 +58,11 @@ def _paged(seq_lens: list[int], page: int, num_pages: int, seed: int):
     return indptr.cuda(), torch.cat(slots).cuda()
 
 
-@pytest.mark.parametrize("seq_lens", [[1, 17, 300, 1024], [4096], [5] * 64])
+@pytest.mark.parametrize("seq_lens", [[1, 17, 300, 1024], [4096], [5] * 64,
+                                      [1024] * 255 + [32768]])
 def test_decode_kernel_bf16(seq_lens: list[int]) -> None:
     from pdserve.kernels.attention_reference import decode_attention_reference
-    from pdserve.kernels.decode_attention import decode_attention, default_num_splits
+    from pdserve.kernels.decode_attention import decode_attention, launch_config
 
     page, num_pages = 16, 1 + sum(-(-n // 16) for n in seq_lens) + 4
     pool = torch.randn(num_pages, 2, 2, page, 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -63,9 +70,11 @@ def test_decode_kernel_bf16(seq_lens: list[int]) -> None:
     q = torch.randn(len(seq_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
     kc, vc = pool[:, 1, 0], pool[:, 1, 1]
     want = decode_attention_reference(q, kc, vc, indptr, indices, 128**-0.5)
-    for splits in (1, default_num_splits(len(seq_lens), 8, 132), 32):
-        out = decode_attention(q, kc, vc, indptr, indices, 128**-0.5, num_splits=splits)
-        assert rel_diff(out, want) < 1e-2, splits
+    default = launch_config(len(seq_lens), 8, 132)
+    for target, block_n in ((1, 64), (default["target_items"], default["block_n"]), (300, 128)):
+        out = decode_attention(q, kc, vc, indptr, indices, 128**-0.5, target_items=target,
+                               block_n=block_n)
+        assert rel_diff(out, want) < 1e-2, (target, block_n)
 
 
 def test_extend_kernel_bf16() -> None:

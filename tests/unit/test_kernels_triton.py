@@ -21,7 +21,7 @@ from pdserve.kernels.attention_reference import (
     decode_attention_reference,
     extend_attention_reference,
 )
-from pdserve.kernels.decode_attention import decode_attention
+from pdserve.kernels.decode_attention import decode_attention, decode_plan
 from pdserve.kernels.extend_attention import extend_attention
 from pdserve.kernels.kv_store import store_kv, store_kv_reference
 from pdserve.kernels.page_copy_triton import gather_pages, scatter_pages
@@ -94,17 +94,72 @@ def test_page_copy_rejects_mismatch() -> None:
                       pool, [1, 2])
 
 
-@pytest.mark.parametrize("heads,kv_heads,splits", [(4, 4, 1), (8, 2, 4), (6, 1, 3), (4, 2, 32)])
-def test_decode_attention_matches_reference(heads: int, kv_heads: int, splits: int) -> None:
+@pytest.mark.parametrize("heads,kv_heads,target", [(4, 4, 1), (8, 2, 4), (6, 1, 3), (4, 2, 32)])
+def test_decode_attention_matches_reference(heads: int, kv_heads: int, target: int) -> None:
     d, seq_lens = 16, [1, 7, 33, 70, 4]
     num_pages = 1 + sum(-(-n // PAGE) for n in seq_lens) + 3
     pool = _pool(num_pages, kv_heads, d, 3)
     indptr, indices = _paged_seqs(seq_lens, num_pages, 4)
     q = torch.randn(len(seq_lens), heads, d, generator=torch.Generator().manual_seed(5)).to(DEV)
     kc, vc = pool[:, 2, 0], pool[:, 2, 1]
-    out = decode_attention(q, kc, vc, indptr, indices, d**-0.5, num_splits=splits)
+    out = decode_attention(q, kc, vc, indptr, indices, d**-0.5, target_items=target,
+                           block_n=16)
     want = decode_attention_reference(q, kc, vc, indptr, indices, d**-0.5)
     torch.testing.assert_close(out, want, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("choices", [dict(block_n=32, target_items=2),
+                                     dict(block_n=128, early_v=True, num_stages=1),
+                                     dict(block_n=16, early_v=True, num_warps=8,
+                                          target_items=40)])
+def test_decode_attention_launch_choices_do_not_change_the_result(choices: dict) -> None:
+    d, seq_lens, heads, kv_heads = 16, [3, 40, 129, 16], 8, 2
+    num_pages = 1 + sum(-(-n // PAGE) for n in seq_lens) + 2
+    pool = _pool(num_pages, kv_heads, d, 3)
+    indptr, indices = _paged_seqs(seq_lens, num_pages, 6)
+    q = torch.randn(len(seq_lens), heads, d, generator=torch.Generator().manual_seed(8)).to(DEV)
+    kc, vc = pool[:, 1, 0], pool[:, 1, 1]
+    out = decode_attention(q, kc, vc, indptr, indices, d**-0.5, **choices)
+    want = decode_attention_reference(q, kc, vc, indptr, indices, d**-0.5)
+    torch.testing.assert_close(out, want, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("seq_lens,target,block_n", [([1, 300, 2, 17, 64], 4, 16),
+                                                    ([5], 1, 16), ([64, 64, 64], 3, 64),
+                                                    ([1, 1, 1, 1000], 10, 32)])
+def test_decode_plan_cuts_equal_chunks(seq_lens: list[int], target: int, block_n: int) -> None:
+    """The work list against the same cut done on the host: one chunk size, a multiple of the
+    tile and about total / target; consecutive items per sequence; the rest empty."""
+    indptr = torch.tensor([0, *torch.cumsum(torch.tensor(seq_lens), 0).tolist()]).to(DEV)
+    plan = decode_plan(indptr, len(seq_lens), target, block_n)
+    total = sum(seq_lens)
+    per_item = -(-total // target)
+    chunk = max(1, -(-per_item // block_n)) * block_n
+    counts = [-(-n // chunk) for n in seq_lens]
+    firsts = [sum(counts[:i]) for i in range(len(seq_lens))]
+    want_items = [i for i, c in enumerate(counts) for _ in range(c)]
+    want_items += [-1] * (target + len(seq_lens) - len(want_items))
+    assert plan.num_items == target + len(seq_lens) >= sum(counts)
+    assert int(plan.chunk) == chunk
+    assert plan.count.tolist() == counts and plan.first.tolist() == firsts
+    assert plan.item_seq.tolist() == want_items
+
+
+def test_decode_attention_over_very_uneven_lengths() -> None:
+    """One long sequence among short ones: the long one spans many items (merged), each short
+    one is a single item (written directly); a zero-length sequence reads as zeros."""
+    d, heads, kv_heads, seq_lens = 16, 4, 2, [2, 900, 1, 0, 5]
+    num_pages = 1 + sum(-(-n // PAGE) for n in seq_lens) + 2
+    pool = _pool(num_pages, kv_heads, d, 9)
+    indptr, indices = _paged_seqs(seq_lens, num_pages, 10)
+    q = torch.randn(len(seq_lens), heads, d, generator=torch.Generator().manual_seed(11)).to(DEV)
+    kc, vc = pool[:, 0, 0], pool[:, 0, 1]
+    plan = decode_plan(indptr, len(seq_lens), 8, 16)
+    assert plan.count.tolist()[1] > 1 and plan.count.tolist()[0] == 1
+    out = decode_attention(q, kc, vc, indptr, indices, d**-0.5, plan)
+    want = decode_attention_reference(q, kc, vc, indptr, indices, d**-0.5)
+    torch.testing.assert_close(out[[0, 1, 2, 4]], want[[0, 1, 2, 4]], atol=TOL, rtol=TOL)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (3, 1)])
