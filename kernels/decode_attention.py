@@ -1,16 +1,16 @@
 """Paged decode attention over a work list of equal KV chunks (flash-decoding), in Triton.
 
 Plan, grid (batch,), once per step: the batch's KV tokens are cut into chunks of one size C (a
-multiple of the tile, about total / `target_items`), so a sequence gets cdiv(len, C) work items
-and no program streams much more than C tokens, whatever the mix of lengths. It writes the
-item -> sequence table, each sequence's first item and item count, and C to device buffers.
-Stage 1, grid (kv_heads, target_items + batch): one program takes all query heads of one KV
-head's GQA group (padded to 16 rows so the score matmul runs on tensor cores) against one
-chunk, read through the pool's per-layer strided views at token slots. A sequence of one item
+multiple of the tile, about total / `target_items`, doubled while that makes more than
+`target_items` items), so a sequence gets cdiv(len, C) work items and no program streams much
+more than C tokens, whatever the mix of lengths. It writes the item -> sequence table, each
+sequence's first item and item count, and C to device buffers. Stage 1, grid (kv_heads,
+target_items): one program takes all query heads of one KV head's GQA group (padded to 16 rows
+so the score matmul runs on tensor cores) against one chunk, read through the pool's per-layer
+strided views at token slots; programs past the last item do nothing. A sequence of one item
 gets its output written there; otherwise the program writes a partial output and its
-log-sum-exp. Stage 2, grid (batch, heads): merges the partials of sequences of two or more
-items. Items past the last one (at most `batch` of them: sum(cdiv(len, C)) <= total / C +
-batch) do nothing.
+log-sum-exp. Stage 2, grid (batch,): merges the partials of sequences of two or more items, all
+heads at once.
 
 Every grid depends only on the batch size and `target_items`, and all lengths are read on the
 device: the plan and both stages are CUDA-graph safe. With the same lengths everywhere and
@@ -31,8 +31,7 @@ from pdserve.kernels.pdl import pdl_enter, use_pdl
 
 @triton.jit
 def _decode_plan(indptr_ptr, item_seq_ptr, first_ptr, count_ptr, chunk_ptr, batch, target,
-                 num_items, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                 BLOCK_I: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_I: tl.constexpr):
     i = tl.program_id(0)
     r = tl.arange(0, BLOCK_B)
     r_mask = r < batch
@@ -41,6 +40,9 @@ def _decode_plan(indptr_ptr, item_seq_ptr, first_ptr, count_ptr, chunk_ptr, batc
     total = tl.sum(lens, 0)
     chunk = tl.maximum(tl.cdiv(tl.cdiv(total, target), BLOCK_N), 1) * BLOCK_N
     count = tl.where(r_mask, (lens + chunk - 1) // chunk, 0)
+    while tl.sum(count, 0) > target:  # sum(cdiv(len, C)) <= total / C + batch: double C
+        chunk = chunk * 2
+        count = tl.where(r_mask, (lens + chunk - 1) // chunk, 0)
     first = tl.cumsum(count, 0) - count
     my_first = tl.sum(tl.where(r == i, first, 0), 0)
     my_count = tl.sum(tl.where(r == i, count, 0), 0)
@@ -54,9 +56,9 @@ def _decode_plan(indptr_ptr, item_seq_ptr, first_ptr, count_ptr, chunk_ptr, batc
                  mask=j < my_count)
     if i == batch - 1:  # the items past the last one are empty
         used = tl.sum(count, 0)
-        for j0 in range(used, num_items, BLOCK_I):
+        for j0 in range(used, target, BLOCK_I):
             j = j0 + tl.arange(0, BLOCK_I)
-            tl.store(item_seq_ptr + j, tl.full([BLOCK_I], -1, tl.int32), mask=j < num_items)
+            tl.store(item_seq_ptr + j, tl.full([BLOCK_I], -1, tl.int32), mask=j < target)
 
 
 @triton.jit
@@ -132,34 +134,34 @@ def _decode_stage1(
 @triton.jit
 def _decode_stage2(
     mid_o_ptr, mid_lse_ptr, first_ptr, count_ptr, o_ptr, stride_mi, stride_mh, stride_ob,
-    stride_oh, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
-    h = tl.program_id(1)
     count = tl.load(count_ptr + b)
     first = tl.load(first_ptr + b)
+    h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    m = tl.full([1], float("-inf"), tl.float32)
-    w_sum = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, tl.where(count == 1, 0, count), BLOCK_S):  # online merge
-        s = s0 + tl.arange(0, BLOCK_S)
-        s_mask = s < count
+    h_mask = h < NUM_HEADS
+    hd_mask = h_mask[:, None] & (d[None, :] < HEAD_DIM)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(0, tl.where(count == 1, 0, count)):  # online merge over the items
         base = (first + s).to(tl.int64) * stride_mi + h * stride_mh
-        lse = tl.load(mid_lse_ptr + base // BLOCK_D, mask=s_mask, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(lse, 0))
+        lse = tl.load(mid_lse_ptr + base // BLOCK_D, mask=h_mask, other=float("-inf"))
+        m_new = tl.maximum(m, lse)
         alpha = tl.where(m_new > float("-inf"), tl.exp2(m - m_new), 0.0)
-        w = tl.where(s_mask & (lse > float("-inf")), tl.exp2(lse - m_new), 0.0)
-        o = tl.load(mid_o_ptr + base[:, None] + d[None, :],
-                    mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-        acc = acc * alpha + tl.sum(o * w[:, None], 0)
-        w_sum = w_sum * alpha + tl.sum(w, 0)
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - m_new), 0.0)
+        o = tl.load(mid_o_ptr + base[:, None] + d[None, :], mask=hd_mask, other=0.0)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        w_sum = w_sum * alpha + w
         m = m_new
-    out = tl.where(w_sum > 0, acc / tl.where(w_sum > 0, w_sum, 1.0), 0.0)
-    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d,
-             out.to(o_ptr.dtype.element_ty), mask=(d < HEAD_DIM) & (d * 0 + count != 1))
+    out = tl.where(w_sum[:, None] > 0, acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None], 0.0)
+    o_off = b.to(tl.int64) * stride_ob + h * stride_oh
+    tl.store(o_ptr + o_off[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=hd_mask & (h[:, None] * 0 + count != 1))
 
 
 @dataclass
@@ -167,7 +169,7 @@ class DecodePlan:
     """The work list of one decode batch (device buffers written by the plan kernel)."""
 
     batch: int
-    num_items: int  # target_items + batch: the stage-1 grid
+    num_items: int  # target_items (>= batch): the stage-1 grid
     block_n: int
     item_seq: torch.Tensor  # [num_items] int32, -1 past the last item
     first: torch.Tensor  # [batch] int32
@@ -206,7 +208,7 @@ def decode_plan(kv_indptr: torch.Tensor, batch: int, target_items: int,
     if target_items < 1:
         raise ValueError(f"target_items: must be >= 1, got {target_items}")
     dev, i32 = kv_indptr.device, torch.int32
-    num_items = target_items + batch
+    num_items = max(target_items, batch)
     plan = DecodePlan(batch, num_items, block_n, torch.empty(num_items, dtype=i32, device=dev),
                       torch.empty(batch, dtype=i32, device=dev),
                       torch.empty(batch, dtype=i32, device=dev),
@@ -214,8 +216,8 @@ def decode_plan(kv_indptr: torch.Tensor, batch: int, target_items: int,
     if batch:
         block_b = triton.next_power_of_2(batch)
         _decode_plan[(batch,)](
-            kv_indptr, plan.item_seq, plan.first, plan.count, plan.chunk, batch, target_items,
-            num_items, BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_I=64,
+            kv_indptr, plan.item_seq, plan.first, plan.count, plan.chunk, batch, num_items,
+            BLOCK_N=block_n, BLOCK_B=block_b, BLOCK_I=64,
             num_warps=4 if block_b <= 1024 else 8)
     return plan
 
@@ -225,7 +227,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      plan: DecodePlan | None = None, out: torch.Tensor | None = None, *,
                      target_items: int | None = None, block_n: int | None = None,
                      num_warps: int = 4, num_stages: int | None = None,
-                     early_v: bool = False) -> torch.Tensor:
+                     early_v: bool = True) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]; k_cache/v_cache [P, page_size, kv_heads, D] strided views.
 
     `plan` (from `decode_plan`, shared by the layers of one step) is made here when absent,
@@ -266,9 +268,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_D=block_d, EARLY_V=early_v, USE_PDL=pdl, num_warps=num_warps,
         num_stages=num_stages or cfg["num_stages"], launch_pdl=pdl,
     )
-    _decode_stage2[(b, num_heads)](
+    _decode_stage2[(b,)](
         mid_o, mid_lse, plan.first, plan.count, out, si, sh, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_S=16, BLOCK_D=block_d, USE_PDL=pdl, num_warps=4,
-        launch_pdl=pdl,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_D=block_d, USE_PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return out

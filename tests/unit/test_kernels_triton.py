@@ -126,20 +126,24 @@ def test_decode_attention_launch_choices_do_not_change_the_result(choices: dict)
 
 @pytest.mark.parametrize("seq_lens,target,block_n", [([1, 300, 2, 17, 64], 4, 16),
                                                     ([5], 1, 16), ([64, 64, 64], 3, 64),
-                                                    ([1, 1, 1, 1000], 10, 32)])
+                                                    ([1, 1, 1, 1000], 10, 32),
+                                                    ([40, 33, 1, 900, 7], 6, 16)])
 def test_decode_plan_cuts_equal_chunks(seq_lens: list[int], target: int, block_n: int) -> None:
     """The work list against the same cut done on the host: one chunk size, a multiple of the
-    tile and about total / target; consecutive items per sequence; the rest empty."""
+    tile, about total / target and doubled while there are more items than programs;
+    consecutive items per sequence; the rest empty."""
     indptr = torch.tensor([0, *torch.cumsum(torch.tensor(seq_lens), 0).tolist()]).to(DEV)
     plan = decode_plan(indptr, len(seq_lens), target, block_n)
-    total = sum(seq_lens)
-    per_item = -(-total // target)
+    programs = max(target, len(seq_lens))
+    per_item = -(-sum(seq_lens) // programs)
     chunk = max(1, -(-per_item // block_n)) * block_n
+    while sum(-(-n // chunk) for n in seq_lens) > programs:
+        chunk *= 2
     counts = [-(-n // chunk) for n in seq_lens]
     firsts = [sum(counts[:i]) for i in range(len(seq_lens))]
     want_items = [i for i, c in enumerate(counts) for _ in range(c)]
-    want_items += [-1] * (target + len(seq_lens) - len(want_items))
-    assert plan.num_items == target + len(seq_lens) >= sum(counts)
+    want_items += [-1] * (programs - len(want_items))
+    assert plan.num_items == programs
     assert int(plan.chunk) == chunk
     assert plan.count.tolist() == counts and plan.first.tolist() == firsts
     assert plan.item_seq.tolist() == want_items
