@@ -220,7 +220,7 @@ def decode_choices() -> None:
     from pdserve.engine.attention.flashinfer_backend import page_tables
     from pdserve.engine.attention.triton_backend import TritonAttentionBackend
     from pdserve.engine.kv_pool import KVPool
-    from pdserve.kernels.decode_attention import decode_attention, decode_plan, launch_config
+    from pdserve.kernels.decode_attention import decode_attention, default_num_splits
 
     layers, hq, hk, d, ctx = 32, 32, 8, 128, 1024
     pool = KVPool(256 * (ctx // 16) + 64, layers, 16, hk, d, torch.bfloat16, "cuda")
@@ -245,11 +245,14 @@ def decode_choices() -> None:
             res[f"flashinfer_tc{int(tc)}"] = graph_time(
                 lambda i, w=w, q=q, views=views: w.run(q, views[i]), layers)
             ref = w.run(q, views[0]) if ref is None else ref
-        cfg = launch_config(bs, hk, torch.cuda.get_device_properties(0).multi_processor_count)
-        plan = decode_plan(fb.kv_indptr, bs, cfg["target_items"], cfg["block_n"])
-        res["triton_worklist"] = graph_time(
-            lambda i, q=q, fb=fb, plan=plan, views=views, st=cfg["num_stages"]: decode_attention(
-                q, *views[i], fb.kv_indptr, fb.kv_indices, d**-0.5, plan, num_stages=st), layers)
+        default = default_num_splits(bs, hk, torch.cuda.get_device_properties(0)
+                                     .multi_processor_count)
+        for splits in sorted({default, 4, 8, 16, 32}):
+            def run(i, s=splits, q=q, views=views, fb=fb):  # noqa: ANN001, ANN202
+                return decode_attention(q, *views[i], fb.kv_indptr, fb.kv_indices, d**-0.5,
+                                        num_splits=s)
+            res[f"triton_s{splits}{'*' if splits == default else ''}"] = graph_time(run, layers)
+        res["triton_worklist"] = graph_time(_worklist_pass(q, views, fb, bs), layers)
         for vname, sec in res.items():
             emit(exp="decode_attn", bs=bs, ctx=ctx, variant=vname, us_per_layer=round(sec * 1e6, 2),
                  kv_tbps=round(kvbytes / layers / sec / 1e12, 2))
@@ -348,73 +351,66 @@ def decode_variants() -> None:
                 emit(exp="decode_variant", bs=bs, variant=f"prefill_{backend}", error=str(e)[:300])
 
 
-# Launch choices of our work-list decode kernel per batch: (target_items, block_n, stages).
-# None: launch_config's. An earlier sweep of even splits (1 / 2 / 4 / 8) x tiles (32 / 64 /
-# 128 / 256) x warps (4 / 8) x stages (1-4) x grid and load order found one item per sequence
-# best at batch 64 and 256 (docs/performance.md).
-DECODE_SWEEP = {
-    256: [None, (256, 64, 3), (256, 128, 3)],
-    64: [None, (64, 128, 2), (128, 64, 3)],
-    8: [None, (64, 64, 2), (33, 64, 3)],
-    1: [None, (16, 64, 2), (33, 64, 3)],
-}
+def _worklist_pass(q, views, fb, bs: int, cfg: dict | None = None):  # noqa: ANN001, ANN202
+    """run(i) for layer i of a pass through the work-list kernel: one plan per pass (at layer
+    0), as the engine makes it."""
+    from pdserve.kernels.decode_worklist import (
+        decode_attention_worklist,
+        decode_plan,
+        worklist_config,
+    )
+
+    cfg = cfg or worklist_config(bs)
+    plans = []
+
+    def run(i: int) -> torch.Tensor:
+        if i == 0:
+            plans[:] = [decode_plan(fb.kv_indptr, bs, cfg["target_items"], cfg["block_n"])]
+        return decode_attention_worklist(q, *views[i], fb.kv_indptr, fb.kv_indices,
+                                         q.shape[-1] ** -0.5, plans[0],
+                                         num_stages=cfg["num_stages"])
+    return run
 
 
 def decode_sweep() -> None:
-    """Our work-list decode kernel (DECODE_SWEEP) at context 1k, and at batch 64 with one
-    sequence of 32k among 63 of 1k, over the 32 layers of a paged pool, against FlashInfer's
-    tensor-core decode in the same run."""
+    """Decode attention over the 32 layers of a paged pool at batch 64 / 256: context 1k for
+    every sequence, and one sequence of 32k among sequences of 1k; FlashInfer's tensor-core
+    decode, our split-KV kernel (default splits) and our work-list kernel (worklist_config)."""
     import flashinfer
     from gpu_harness import PagedSeqs
 
     from pdserve.engine.attention.flashinfer_backend import page_tables
     from pdserve.engine.attention.triton_backend import TritonAttentionBackend
     from pdserve.engine.kv_pool import KVPool
-    from pdserve.kernels.decode_attention import decode_attention, decode_plan, launch_config
+    from pdserve.kernels.decode_attention import decode_attention, default_num_splits
 
     layers, hq, hk, d, ps = 32, 32, 8, 128, 16
-    pool = KVPool(256 * 64 + 64, layers, ps, hk, d, torch.bfloat16, "cuda")
+    pool = KVPool(256 * 64 + 2048 + 64, layers, ps, hk, d, torch.bfloat16, "cuda")
     pool.buffer.normal_()
     seqs = PagedSeqs(pool, TritonAttentionBackend("cuda"), seed=1)
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     views = [(pool.k_view(i), pool.v_view(i)) for i in range(layers)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cases = [(bs, [1024] * bs, grid) for bs, grid in DECODE_SWEEP.items()]
-    cases.append((64, [1024] * 63 + [32768], [None, (64, 128, 2)]))
-    for bs, lens, grid in cases:
+    for bs, lens in ((256, [1024] * 256), (64, [1024] * 64), (64, [1024] * 63 + [32768]),
+                     (256, [1024] * 255 + [32768])):
         seqs.pretend_context(bs, [n - 1 for n in lens])
         fb = seqs.batch([[7]] * bs)
         q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16)
         kvbytes = sum(lens) * layers * 2 * hk * d * 2
-        label = "uniform" if len(set(lens)) == 1 else "one 32k"
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
         w.plan(*page_tables(fb, torch.device("cuda")), hq, hk, d, ps,
                q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=d**-0.5)
-        ref = w.run(q, views[0])
-        sec = graph_time(lambda i, w=w, q=q: w.run(q, views[i]), layers)
-        emit(exp="decode_sweep", bs=bs, lens=label, variant="flashinfer_tc",
-             us_per_layer=round(sec * 1e6, 2), kv_tbps=round(kvbytes / layers / sec / 1e12, 3))
-        for choice in grid:
-            cfg = launch_config(bs, hk, sms)
-            if choice is not None:
-                cfg = dict(zip(("target_items", "block_n", "num_stages"), choice))
-
-            plans = []
-
-            def run(i: int, cfg=cfg, q=q, fb=fb, bs=bs, plans=plans) -> torch.Tensor:  # noqa: ANN001
-                if i == 0:  # one plan per pass of 32 layers, as the engine makes it
-                    plans[:] = [decode_plan(fb.kv_indptr, bs, cfg["target_items"],
-                                            cfg["block_n"])]
-                return decode_attention(q, *views[i], fb.kv_indptr, fb.kv_indices, d**-0.5,
-                                        plans[0], num_stages=cfg["num_stages"])
-            try:
-                diff = float((run(0).float() - ref.float()).abs().max())
-                sec = graph_time(run, layers, reps=5)
-            except Exception as e:  # noqa: BLE001
-                emit(exp="decode_sweep", bs=bs, lens=label, **cfg, error=str(e)[:200])
-                continue
-            emit(exp="decode_sweep", bs=bs, lens=label, default=choice is None, **cfg,
-                 us_per_layer=round(sec * 1e6, 2),
+        splits = default_num_splits(bs, hk, sms)
+        runs = {"flashinfer_tc": lambda i, w=w, q=q: w.run(q, views[i]),
+                f"triton_split{splits}": lambda i, q=q, fb=fb, s=splits: decode_attention(
+                    q, *views[i], fb.kv_indptr, fb.kv_indices, d**-0.5, num_splits=s),
+                "triton_worklist": _worklist_pass(q, views, fb, bs)}
+        ref = runs["flashinfer_tc"](0)
+        for name, run in runs.items():
+            diff = float((run(0).float() - ref.float()).abs().max())
+            sec = graph_time(run, layers, reps=5)
+            emit(exp="decode_sweep", bs=bs, lens="uniform" if len(set(lens)) == 1 else "one 32k",
+                 variant=name, us_per_layer=round(sec * 1e6, 2),
                  kv_tbps=round(kvbytes / layers / sec / 1e12, 3), max_diff=diff)
 
 def prefill_choices() -> None:

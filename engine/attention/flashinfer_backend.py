@@ -7,13 +7,16 @@ as they come out of the projection (causal; they are still stored into the pool 
 transfer): it needs no page tables and reads contiguous rows, 1.23x faster than the paged
 kernel on a 4096-token prompt on an H200 (docs/performance.md). EXTEND over a cached prefix uses
 BatchPrefillWithPagedKVCacheWrapper (causal, over prefix + new tokens, whose K/V are stored
-first). DECODE batches of up to `triton_decode_max_batch` sequences (default: all of them;
-`PDSERVE_TRITON_DECODE_MAX_BATCH` sets it, 0 = none) run our Triton work-list kernel
-(kernels/decode_attention.py), the others BatchDecodeWithPagedKVCacheWrapper, with tensor
-cores when the GQA group is >= 4. On an H200 at context 1k the Triton kernel took 7.6 / 17.1 /
-66.5 / 250.1 µs per layer at batch 1 / 8 / 64 / 256 against FlashInfer's 9.1 / 18.8 / 72.4 /
-256.3 (docs/performance.md). FlashInfer picks its FA3 kernels on Hopper for both prefill
-wrappers.
+first). DECODE uses BatchDecodeWithPagedKVCacheWrapper, with tensor cores when the GQA
+group is >= 4, except where our Triton kernels were faster on an H200 at context 1k
+(docs/performance.md): batches of at most SMALL_DECODE_BATCH sequences run the split-KV kernel
+(kernels/decode_attention.py; 7.6 / 17.1 µs per layer at batch 1 / 8 against FlashInfer's 9.1 /
+18.8) and batches of `decode_worklist.uses_worklist` size the work-list kernel
+(kernels/decode_worklist.py; 253.0 against 256.9 µs at batch 256, and it cuts a long sequence
+among short ones into chunks where FlashInfer's CUDA-graph decode does not). In between
+(72.4 µs at batch 64 against our 75.9) FlashInfer decodes. `PDSERVE_FLASHINFER_DECODE=1` (or
+`flashinfer_decode_only`) gives every decode batch to FlashInfer. FlashInfer picks its FA3
+kernels on Hopper for both prefill wrappers.
 
 FlashInfer wants page-level tables: each sequence's token slots are page-aligned
 runs (offset j of a sequence sits at offset j % page_size of its page), so its pages are
@@ -36,11 +39,7 @@ from pdserve.engine.attention.triton_backend import TritonAttentionBackend
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 
 WORKSPACE_BYTES = 256 << 20
-
-
-def _triton_decode_max_batch() -> int | None:
-    value = os.environ.get("PDSERVE_TRITON_DECODE_MAX_BATCH", "").strip()
-    return int(value) if value else None
+SMALL_DECODE_BATCH = 8
 
 
 def page_tables(fb: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -88,8 +87,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._flashinfer = flashinfer
         self._store = store_kv
         self._triton_decode = TritonAttentionBackend(device)
-        # Decode batches of at most this many sequences run the Triton kernel (None: all).
-        self.triton_decode_max_batch = _triton_decode_max_batch()
+        self.flashinfer_decode_only = os.environ.get("PDSERVE_FLASHINFER_DECODE") == "1"
         self.device = torch.device(device)
         self.num_heads = num_heads  # known up front, or taken from the first layer's q
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
@@ -103,10 +101,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._scale = 0.0
         self.lazy_extend_plan = True
 
-    def triton_decodes(self, batch_size: int) -> bool:
-        """Whether a decode batch of this size runs the Triton kernel (else FlashInfer's)."""
-        limit = self.triton_decode_max_batch
-        return limit is None or batch_size <= limit
+    def triton_decodes(self, batch_size: int, num_kv_heads: int) -> bool:
+        """Whether a decode batch of this size runs a Triton kernel (else FlashInfer's)."""
+        from pdserve.kernels.decode_worklist import num_sms, uses_worklist
+
+        return not self.flashinfer_decode_only and (
+            batch_size <= SMALL_DECODE_BATCH
+            or uses_worklist(batch_size, num_kv_heads, num_sms(self.device)))
 
     @staticmethod
     def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
@@ -149,7 +150,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                               causal=True, **common)
             self._planned = fb
             return
-        if fb.mode == ForwardMode.DECODE and self.triton_decodes(fb.batch_size):
+        if fb.mode == ForwardMode.DECODE and self.triton_decodes(fb.batch_size,
+                                                                  pool.num_kv_heads):
             self._wrapper = None  # the Triton backend's decode: reads token slots, no tables
             self._triton_decode.init_forward(fb)
             self._planned = fb

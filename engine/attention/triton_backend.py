@@ -2,9 +2,11 @@
 extend attention over a cached prefix. Reads the page-major pool through per-layer views.
 
 Decode launches depend only on the batch size (lengths are read on the device), so a decode
-pass is CUDA-graph safe. The work list of a decode pass (`decode_attention.decode_plan`) is
-made on the device at the pass's first layer (a layer id not above the previous call's starts
-a pass) and shared by the others; so a captured graph makes it again at each replay.
+pass is CUDA-graph safe: the split-KV kernel (`num_splits` fixed per batch size) below
+`decode_worklist.uses_worklist`, the work-list kernel above it. A work list
+(`decode_worklist.decode_plan`) is made on the device at the pass's first layer (a layer id not
+above the previous call's starts a pass) and shared by the others, so a captured graph makes
+it again at each replay.
 """
 
 from __future__ import annotations
@@ -18,19 +20,20 @@ from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, device: torch.device | str | None = None) -> None:
         # Imported here so the CPU serving path never needs triton.
-        from pdserve.kernels import decode_attention, extend_attention, kv_store
+        from pdserve.kernels import decode_attention, decode_worklist, extend_attention, kv_store
 
         self._store = kv_store.store_kv
         self._decode = decode_attention.decode_attention
         self._extend = extend_attention.extend_attention
-        self._plan = decode_attention.decode_plan
-        self._launch_config = decode_attention.launch_config
+        self._num_splits_for = decode_attention.default_num_splits
+        self._worklist = decode_worklist
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        self._num_sms = decode_attention.num_sms(dev)
+        self._num_sms = decode_worklist.num_sms(dev)
         self._fb: ForwardBatch | None = None
         self._qo_indptr: torch.Tensor | None = None
         self._max_extend = 0
-        self._decode_cfg: dict[str, int] = {}
+        self._num_splits = 1
+        self._worklist_cfg: dict[str, int] | None = None  # set: this decode batch's work list
         self._decode_plan = None
         self._last_layer = -1
 
@@ -39,8 +42,10 @@ class TritonAttentionBackend(AttentionBackend):
         self._qo_indptr = None
         self._decode_plan = None
         if fb.mode == ForwardMode.DECODE:
-            self._decode_cfg = self._launch_config(fb.batch_size, fb.kv_pool.num_kv_heads,
-                                                   self._num_sms)
+            b, hk = fb.batch_size, fb.kv_pool.num_kv_heads
+            large = self._worklist.uses_worklist(b, hk, self._num_sms)
+            self._worklist_cfg = self._worklist.worklist_config(b) if large else None
+            self._num_splits = self._num_splits_for(b, hk, self._num_sms)
             return
         ext = fb.extend_lens
         self._qo_indptr = torch.zeros(ext.shape[0] + 1, dtype=torch.int64, device=ext.device)
@@ -68,12 +73,16 @@ class TritonAttentionBackend(AttentionBackend):
             q = q.contiguous()
         qo_indptr = self._qo_indptr
         if fb.mode == ForwardMode.DECODE or qo_indptr is None:
-            cfg = self._decode_cfg
+            cfg = self._worklist_cfg
+            if cfg is None:
+                return self._decode(q, kc, vc, fb.kv_indptr, fb.kv_indices, scale,
+                                    num_splits=self._num_splits)
             if self._decode_plan is None or layer_id <= self._last_layer:  # a new pass
-                self._decode_plan = self._plan(fb.kv_indptr, fb.batch_size, cfg["target_items"],
-                                               cfg["block_n"])
+                self._decode_plan = self._worklist.decode_plan(
+                    fb.kv_indptr, fb.batch_size, cfg["target_items"], cfg["block_n"])
             self._last_layer = layer_id
-            return self._decode(q, kc, vc, fb.kv_indptr, fb.kv_indices, scale,
-                                self._decode_plan, num_stages=cfg["num_stages"])
+            return self._worklist.decode_attention_worklist(
+                q, kc, vc, fb.kv_indptr, fb.kv_indices, scale, self._decode_plan,
+                num_stages=cfg["num_stages"])
         return self._extend(q, kc, vc, qo_indptr, fb.kv_indptr, fb.kv_indices, scale,
                             max_extend_len=self._max_extend)

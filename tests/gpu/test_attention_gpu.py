@@ -27,8 +27,10 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 # flashinfer-decode: the flashinfer backend with FlashInfer's BatchDecode for every decode
-# batch (by default its decode batches run our Triton kernel).
-BACKENDS = ["triton", "flashinfer", "flashinfer-decode"]
+# batch (by default its smallest and largest decode batches run our Triton kernels);
+# triton-worklist: the triton backend told its GPU has one SM, so that every decode batch of
+# 8 / num_kv_heads or more sequences takes the work-list kernel (on 132 SMs: 8 x 132).
+BACKENDS = ["triton", "triton-worklist", "flashinfer", "flashinfer-decode"]
 
 
 def _backend(name: str, num_heads: int):
@@ -41,7 +43,9 @@ def _backend(name: str, num_heads: int):
     backend = default_attention_backend(torch.device("cuda"), name.split("-")[0],
                                         num_heads=num_heads)
     if name == "flashinfer-decode":
-        backend.triton_decode_max_batch = 0
+        backend.flashinfer_decode_only = True
+    if name == "triton-worklist":
+        backend._num_sms = 1
     return backend
 
 
@@ -62,7 +66,8 @@ def _paged(seq_lens: list[int], page: int, num_pages: int, seed: int):
                                       [1024] * 255 + [32768]])
 def test_decode_kernel_bf16(seq_lens: list[int]) -> None:
     from pdserve.kernels.attention_reference import decode_attention_reference
-    from pdserve.kernels.decode_attention import decode_attention, launch_config
+    from pdserve.kernels.decode_attention import decode_attention, default_num_splits
+    from pdserve.kernels.decode_worklist import decode_attention_worklist, decode_plan
 
     page, num_pages = 16, 1 + sum(-(-n // 16) for n in seq_lens) + 4
     pool = torch.randn(num_pages, 2, 2, page, 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -70,10 +75,13 @@ def test_decode_kernel_bf16(seq_lens: list[int]) -> None:
     q = torch.randn(len(seq_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
     kc, vc = pool[:, 1, 0], pool[:, 1, 1]
     want = decode_attention_reference(q, kc, vc, indptr, indices, 128**-0.5)
-    default = launch_config(len(seq_lens), 8, 132)
-    for target, block_n in ((1, 64), (default["target_items"], default["block_n"]), (300, 128)):
-        out = decode_attention(q, kc, vc, indptr, indices, 128**-0.5, target_items=target,
-                               block_n=block_n)
+    for splits in (1, default_num_splits(len(seq_lens), 8, 132), 32):
+        out = decode_attention(q, kc, vc, indptr, indices, 128**-0.5, num_splits=splits)
+        assert rel_diff(out, want) < 1e-2, splits
+    b = len(seq_lens)
+    for target, block_n in ((1, 64), (b + b // 16, 128), (300, 128)):
+        plan = decode_plan(indptr, b, target, block_n)
+        out = decode_attention_worklist(q, kc, vc, indptr, indices, 128**-0.5, plan)
         assert rel_diff(out, want) < 1e-2, (target, block_n)
 
 

@@ -56,7 +56,11 @@ def test_flashinfer_page_tables_from_token_slots() -> None:
     assert indptr.dtype == indices.dtype == last.dtype == torch.int32
 
 
-@pytest.mark.parametrize("prefix,extend", [([0, 5, 12], [7, 1, 9]), ([3, 9, 0, 17], [1] * 4)])
+# The third case is a decode batch large enough (17 x 2 KV heads >= 8 x the interpreter's 4
+# "SMs") for the work-list kernel; the second takes the split-KV kernel.
+@pytest.mark.parametrize("prefix,extend", [([0, 5, 12], [7, 1, 9]), ([3, 9, 0, 17], [1] * 4),
+                                           ([3, 9, 0, 17, 5, 1, 30, 2, 8, 11, 4, 6, 13, 7, 19,
+                                             2, 90], [1] * 17)])
 def test_triton_backend_matches_torch(prefix: list[int], extend: list[int]) -> None:
     pytest.importorskip("triton")
     from pdserve.engine.attention.triton_backend import TritonAttentionBackend

@@ -21,7 +21,8 @@ from pdserve.kernels.attention_reference import (
     decode_attention_reference,
     extend_attention_reference,
 )
-from pdserve.kernels.decode_attention import decode_attention, decode_plan
+from pdserve.kernels.decode_attention import decode_attention
+from pdserve.kernels.decode_worklist import decode_attention_worklist, decode_plan
 from pdserve.kernels.extend_attention import extend_attention
 from pdserve.kernels.kv_store import store_kv, store_kv_reference
 from pdserve.kernels.page_copy_triton import gather_pages, scatter_pages
@@ -94,32 +95,31 @@ def test_page_copy_rejects_mismatch() -> None:
                       pool, [1, 2])
 
 
-@pytest.mark.parametrize("heads,kv_heads,target", [(4, 4, 1), (8, 2, 4), (6, 1, 3), (4, 2, 32)])
-def test_decode_attention_matches_reference(heads: int, kv_heads: int, target: int) -> None:
+@pytest.mark.parametrize("heads,kv_heads,splits", [(4, 4, 1), (8, 2, 4), (6, 1, 3), (4, 2, 32)])
+def test_decode_attention_matches_reference(heads: int, kv_heads: int, splits: int) -> None:
     d, seq_lens = 16, [1, 7, 33, 70, 4]
     num_pages = 1 + sum(-(-n // PAGE) for n in seq_lens) + 3
     pool = _pool(num_pages, kv_heads, d, 3)
     indptr, indices = _paged_seqs(seq_lens, num_pages, 4)
     q = torch.randn(len(seq_lens), heads, d, generator=torch.Generator().manual_seed(5)).to(DEV)
     kc, vc = pool[:, 2, 0], pool[:, 2, 1]
-    out = decode_attention(q, kc, vc, indptr, indices, d**-0.5, target_items=target,
-                           block_n=16)
+    out = decode_attention(q, kc, vc, indptr, indices, d**-0.5, num_splits=splits)
     want = decode_attention_reference(q, kc, vc, indptr, indices, d**-0.5)
     torch.testing.assert_close(out, want, atol=TOL, rtol=TOL)
 
 
-@pytest.mark.parametrize("choices", [dict(block_n=32, target_items=2),
-                                     dict(block_n=128, early_v=True, num_stages=1),
-                                     dict(block_n=16, early_v=True, num_warps=8,
-                                          target_items=40)])
-def test_decode_attention_launch_choices_do_not_change_the_result(choices: dict) -> None:
+@pytest.mark.parametrize("target,block_n,choices", [(2, 32, {}),
+                                                   (4, 128, dict(early_v=False, num_stages=1)),
+                                                   (40, 16, dict(num_warps=8))])
+def test_decode_worklist_matches_reference(target: int, block_n: int, choices: dict) -> None:
     d, seq_lens, heads, kv_heads = 16, [3, 40, 129, 16], 8, 2
     num_pages = 1 + sum(-(-n // PAGE) for n in seq_lens) + 2
     pool = _pool(num_pages, kv_heads, d, 3)
     indptr, indices = _paged_seqs(seq_lens, num_pages, 6)
     q = torch.randn(len(seq_lens), heads, d, generator=torch.Generator().manual_seed(8)).to(DEV)
     kc, vc = pool[:, 1, 0], pool[:, 1, 1]
-    out = decode_attention(q, kc, vc, indptr, indices, d**-0.5, **choices)
+    plan = decode_plan(indptr, len(seq_lens), target, block_n)
+    out = decode_attention_worklist(q, kc, vc, indptr, indices, d**-0.5, plan, **choices)
     want = decode_attention_reference(q, kc, vc, indptr, indices, d**-0.5)
     torch.testing.assert_close(out, want, atol=TOL, rtol=TOL)
 
@@ -160,7 +160,7 @@ def test_decode_attention_over_very_uneven_lengths() -> None:
     kc, vc = pool[:, 0, 0], pool[:, 0, 1]
     plan = decode_plan(indptr, len(seq_lens), 8, 16)
     assert plan.count.tolist()[1] > 1 and plan.count.tolist()[0] == 1
-    out = decode_attention(q, kc, vc, indptr, indices, d**-0.5, plan)
+    out = decode_attention_worklist(q, kc, vc, indptr, indices, d**-0.5, plan)
     want = decode_attention_reference(q, kc, vc, indptr, indices, d**-0.5)
     torch.testing.assert_close(out[[0, 1, 2, 4]], want[[0, 1, 2, 4]], atol=TOL, rtol=TOL)
     assert torch.equal(out[3], torch.zeros_like(out[3]))
