@@ -12,9 +12,10 @@ group is >= 4, except where our Triton kernels were faster on an H200 at context
 (docs/performance.md): batches of at most SMALL_DECODE_BATCH sequences run the split-KV kernel
 (kernels/decode_attention.py; 7.6 / 17.1 µs per layer at batch 1 / 8 against FlashInfer's 9.1 /
 18.8) and batches of `decode_worklist.uses_worklist` size the work-list kernel
-(kernels/decode_worklist.py; 253.0 against 256.9 µs at batch 256, and it cuts a long sequence
-among short ones into chunks where FlashInfer's CUDA-graph decode does not). In between
-(72.4 µs at batch 64 against our 75.9) FlashInfer decodes. `PDSERVE_FLASHINFER_DECODE=1` (or
+(kernels/decode_worklist.py; the batch-256 step 1.031x faster than with FlashInfer's decode,
+and it cuts a long sequence among short ones into chunks where FlashInfer's CUDA-graph decode
+took 4x longer). In between FlashInfer decodes (72.4 µs per layer at batch 64 against 75.9 for
+the work list and 87.8 for the split-KV kernel). `PDSERVE_FLASHINFER_DECODE=1` (or
 `flashinfer_decode_only`) gives every decode batch to FlashInfer. FlashInfer picks its FA3
 kernels on Hopper for both prefill wrappers.
 
