@@ -89,3 +89,24 @@ def test_default_backend_selection_on_cpu() -> None:
         default_attention_backend(cpu, "triton")
     with pytest.raises(ValueError, match="attention_backend"):
         default_attention_backend(cpu, "nope")
+
+
+def test_decode_kernel_routing_by_batch_size() -> None:
+    """The flashinfer backend's decode batches: Triton's split-KV kernel up to 8 sequences,
+    FlashInfer's decode in between, the work list from 8 (sequence x KV head) programs per SM
+    (routing only: FlashInfer itself is not needed to decide)."""
+    from pdserve.engine.attention import flashinfer_backend as fib
+    from pdserve.kernels import decode_worklist
+
+    backend = object.__new__(fib.FlashInferAttentionBackend)
+    backend.device = torch.device("cpu")  # the interpreter's stand-in GPU has 4 SMs
+    backend.flashinfer_decode_only = False
+    sms = decode_worklist.num_sms(backend.device)
+    assert [backend.triton_decodes(b, 2) for b in (1, 8, 9, 15, 16, 64)] == [
+        True, True, False, False, True, True]
+    assert not decode_worklist.uses_worklist(15, 2, sms)
+    assert decode_worklist.uses_worklist(16, 2, sms)
+    backend.flashinfer_decode_only = True
+    assert not any(backend.triton_decodes(b, 2) for b in (1, 8, 16, 64))
+    assert decode_worklist.worklist_config(256) == {"target_items": 272, "block_n": 128,
+                                                    "num_stages": 2}
