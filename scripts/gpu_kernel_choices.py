@@ -496,20 +496,31 @@ def _sdpa_choices(q, k, v, ref, flops: float) -> None:  # noqa: ANN001
 
 
 def gaps(fn, name: str, layout: str) -> None:  # noqa: ANN001
-    """Idle time between consecutive GPU operations of one call of `fn`: total and largest."""
+    """Idle time between consecutive GPU operations of one call of `fn`: total and largest;
+    and the host time from the call's start to its first GPU operation (idle GPU time that a
+    CUDA-event timing of the call counts), with the longest host ops in it."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    ev = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA)
+    cuda = torch.autograd.DeviceType.CUDA
+    events = list(prof.events())
+    ev = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in events
+                if e.device_type == cuda)
     holes = [(b[0] - a[1], a[2], b[2]) for a, b in zip(ev, ev[1:]) if b[0] > a[1]]
+    host = [e for e in events if e.device_type != cuda]
+    first_gpu = ev[0][0]
+    start = min(e.time_range.start for e in host) if host else first_gpu
+    before = sorted(((e.time_range.end - e.time_range.start, e.name[:60]) for e in host
+                     if e.time_range.start < first_gpu), reverse=True)[:8]
     emit(exp="prefill_gaps", backend=name, weights=layout, ops=len(ev),
          span_ms=round((ev[-1][1] - ev[0][0]) / 1e3, 2),
          idle_ms=round(sum(h[0] for h in holes) / 1e3, 3),
+         host_before_first_gpu_op_ms=round((first_gpu - start) / 1e3, 3),
+         longest_host_ops_before_it=[(round(d, 1), n) for d, n in before],
          largest=[(round(h[0], 1), h[1], h[2]) for h in sorted(holes, reverse=True)[:8]])
 
 
