@@ -22,10 +22,16 @@ LOG2E = tl.constexpr(1.4426950408889634)  # exp2 domain: exp(x) = exp2(x * LOG2E
 
 
 @triton.jit
-def load_group_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The query rows of KV head `kvh`'s GQA group for sequence `b` ([BLOCK_G, BLOCK_D], rows
-    past GROUP zero), their head indices and masks, and the head_dim offsets and mask."""
+def attend_chunk(q_ptr, kc_ptr, vc_ptr, slots_ptr, b, kvh, start, end, sm_scale, stride_qb,
+                 stride_qh, stride_cp, stride_co, stride_ch, PAGE_SIZE: tl.constexpr,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EARLY_V: tl.constexpr):
+    """Attention of the query heads of KV head `kvh`'s GQA group for sequence `b` (rows past
+    GROUP zero, padded to BLOCK_G so the score matmul runs on tensor cores) over the KV at
+    token slots slots_ptr[start:end]: the normalised output [BLOCK_G, BLOCK_D] (fp32), its
+    log-sum-exp in the exp2 domain (-inf, output 0 for an empty range), the rows' head indices
+    and mask, and the head_dim offsets and mask. EARLY_V issues the V load before the first
+    matmul."""
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
@@ -33,17 +39,8 @@ def load_group_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP: tl.constexpr,
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    return q, heads, g_mask, d, d_mask
-
-
-@triton.jit
-def attend_chunk(q, kc_ptr, vc_ptr, slots_ptr, start, end, head_off, stride_cp, stride_co,
-                 qk_scale, d, d_mask, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EARLY_V: tl.constexpr):
-    """Attention of the query rows `q` [BLOCK_G, BLOCK_D] over the KV at token slots
-    slots_ptr[start:end] of one KV head (`head_off` into the per-layer views): the normalised
-    output [BLOCK_G, BLOCK_D] (fp32) and its log-sum-exp in the exp2 domain (-inf, output 0
-    for an empty range). EARLY_V issues the V load before the first matmul."""
+    qk_scale = sm_scale * LOG2E
+    head_off = kvh.to(tl.int64) * stride_ch
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -70,7 +67,7 @@ def attend_chunk(q, kc_ptr, vc_ptr, slots_ptr, start, end, head_off, stride_cp, 
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    return out, lse
+    return out, lse, heads, g_mask, d, d_mask
 
 
 @triton.jit
@@ -92,12 +89,10 @@ def _decode_stage1(
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
-    q, heads, g_mask, d, d_mask = load_group_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP,
-                                               HEAD_DIM, BLOCK_G, BLOCK_D)
-    qk_scale = sm_scale * LOG2E  # exp2 domain
-    out, lse = attend_chunk(q, kc_ptr, vc_ptr, indices_ptr + seq_start, start, end,
-                            kvh.to(tl.int64) * stride_ch, stride_cp, stride_co, qk_scale, d,
-                            d_mask, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, False)
+    out, lse, heads, g_mask, d, d_mask = attend_chunk(
+        q_ptr, kc_ptr, vc_ptr, indices_ptr + seq_start, b, kvh, start, end, sm_scale, stride_qb,
+        stride_qh, stride_cp, stride_co, stride_ch, PAGE_SIZE, GROUP, HEAD_DIM, BLOCK_G,
+        BLOCK_N, BLOCK_D, False)
     mid = b.to(tl.int64) * stride_mb + heads * stride_mh + split * stride_ms
     tl.store(mid_o_ptr + mid[:, None] + d[None, :], out,
              mask=g_mask[:, None] & d_mask[None, :])

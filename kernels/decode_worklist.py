@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.decode_attention import LOG2E, attend_chunk, check_decode_args, load_group_q
+from pdserve.kernels.decode_attention import attend_chunk, check_decode_args
 from pdserve.kernels.pdl import pdl_enter, use_pdl
 
 
@@ -86,12 +86,10 @@ def _worklist_stage1(
     start = (item - tl.load(first_ptr + b)) * chunk
     end = tl.where(seq >= 0, tl.minimum(start + chunk, seq_len), start)
 
-    q, heads, g_mask, d, d_mask = load_group_q(q_ptr, b, kvh, stride_qb, stride_qh, GROUP,
-                                               HEAD_DIM, BLOCK_G, BLOCK_D)
-    qk_scale = sm_scale * LOG2E  # exp2 domain
-    out, lse = attend_chunk(q, kc_ptr, vc_ptr, indices_ptr + seq_start, start, end,
-                            kvh.to(tl.int64) * stride_ch, stride_cp, stride_co, qk_scale, d,
-                            d_mask, PAGE_SIZE, BLOCK_G, BLOCK_N, BLOCK_D, EARLY_V)
+    out, lse, heads, g_mask, d, d_mask = attend_chunk(
+        q_ptr, kc_ptr, vc_ptr, indices_ptr + seq_start, b, kvh, start, end, sm_scale, stride_qb,
+        stride_qh, stride_cp, stride_co, stride_ch, PAGE_SIZE, GROUP, HEAD_DIM, BLOCK_G,
+        BLOCK_N, BLOCK_D, EARLY_V)
     rows = tl.zeros([BLOCK_G], tl.int32)
     direct = g_mask & (rows + seq >= 0) & (rows + count == 1)  # one item: the final output
     partial = g_mask & (rows + seq >= 0) & (rows + count > 1)

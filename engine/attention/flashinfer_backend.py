@@ -104,11 +104,9 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def triton_decodes(self, batch_size: int, num_kv_heads: int) -> bool:
         """Whether a decode batch of this size runs a Triton kernel (else FlashInfer's)."""
-        from pdserve.kernels.decode_worklist import num_sms, uses_worklist
-
         return not self.flashinfer_decode_only and (
             batch_size <= SMALL_DECODE_BATCH
-            or uses_worklist(batch_size, num_kv_heads, num_sms(self.device)))
+            or self._triton_decode.uses_worklist(batch_size, num_kv_heads))
 
     @staticmethod
     def use_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:

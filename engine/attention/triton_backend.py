@@ -37,15 +37,21 @@ class TritonAttentionBackend(AttentionBackend):
         self._decode_plan = None
         self._last_layer = -1
 
+    def uses_worklist(self, batch_size: int, num_kv_heads: int) -> bool:
+        """Whether a decode batch of this size takes the work-list kernel (else split-KV)."""
+        return self._worklist.uses_worklist(batch_size, num_kv_heads, self._num_sms)
+
     def init_forward(self, fb: ForwardBatch) -> None:
         self._fb = fb
         self._qo_indptr = None
         self._decode_plan = None
         if fb.mode == ForwardMode.DECODE:
             b, hk = fb.batch_size, fb.kv_pool.num_kv_heads
-            large = self._worklist.uses_worklist(b, hk, self._num_sms)
-            self._worklist_cfg = self._worklist.worklist_config(b) if large else None
-            self._num_splits = self._num_splits_for(b, hk, self._num_sms)
+            if self.uses_worklist(b, hk):
+                self._worklist_cfg = self._worklist.worklist_config(b)
+            else:
+                self._worklist_cfg = None
+                self._num_splits = self._num_splits_for(b, hk, self._num_sms)
             return
         ext = fb.extend_lens
         self._qo_indptr = torch.zeros(ext.shape[0] + 1, dtype=torch.int64, device=ext.device)
