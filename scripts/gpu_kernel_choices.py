@@ -6,8 +6,10 @@ measured on the GPU in one run (the choices the engine makes are checked against
   the [N, K] weight and a matmul on a [K, N] copy (= a column-major weight), each with cuBLAS
   and with cuBLASLt preferred; weights cycled through enough copies that L2 (50 MB on an H200)
   never holds them;
-- decode attention at batch 1 / 64 / 256, context 1k, over the 32 layers of a paged pool:
-  FlashInfer with and without tensor cores, our Triton split-KV kernel at several split counts;
+- decode attention over the 32 layers of a paged pool, context 1k at batch 1 / 8 / 64 / 256 and
+  one 32k sequence among 1k ones at batch 64 / 256: FlashInfer with and without tensor cores,
+  our Triton split-KV kernel at several split counts, our work-list kernel; FlashInfer's other
+  decode variants (`decode_variants`); how fast HBM can be read at all (`read`);
 - prefill attention over 4096 tokens: FlashInfer paged and ragged, backends auto / fa2 / fa3;
 - a whole 4096-token prefill (row- and column-major weights): host time of planning and of
   enqueueing against GPU time, kernel time by kernel, and the idle gaps between GPU operations;
@@ -15,7 +17,7 @@ measured on the GPU in one run (the choices the engine makes are checked against
   sweep of block shapes and warps, plain and with their fused prologues / epilogues.
 
 usage: python scripts/gpu_kernel_choices.py
-    [--only linear,decode,prefill,prefill_model,gemv,read,decode_variants,decode_sweep]
+    [--only linear,decode,prefill,prefill_model,gemv,read,decode_variants]
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -214,50 +218,6 @@ def _qkv_choices() -> None:
          config=best[1], us=round(best[0] * 1e6, 2), gbps=round(wbytes / best[0] / 1e9, 1))
 
 
-def decode_choices() -> None:
-    from gpu_harness import PagedSeqs
-
-    from pdserve.engine.attention.flashinfer_backend import page_tables
-    from pdserve.engine.attention.triton_backend import TritonAttentionBackend
-    from pdserve.engine.kv_pool import KVPool
-    from pdserve.kernels.decode_attention import decode_attention, default_num_splits
-
-    layers, hq, hk, d, ctx = 32, 32, 8, 128, 1024
-    pool = KVPool(256 * (ctx // 16) + 64, layers, 16, hk, d, torch.bfloat16, "cuda")
-    pool.buffer.normal_()
-    seqs = PagedSeqs(pool, TritonAttentionBackend("cuda"), seed=1)
-    import flashinfer
-
-    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    for bs in (1, 8, 64, 256):
-        seqs.pretend_context(bs, ctx - 1)
-        fb = seqs.batch([[7]] * bs)
-        q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16)
-        kvbytes = bs * ctx * layers * 2 * hk * d * 2
-        views = [(pool.k_view(i), pool.v_view(i)) for i in range(layers)]
-        res = {}
-        ref = None
-        for tc in (False, True):
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
-            indptr, idx, last = page_tables(fb, torch.device("cuda"))
-            w.plan(indptr, idx, last, hq, hk, d, 16, q_data_type=torch.bfloat16,
-                   kv_data_type=torch.bfloat16, sm_scale=d**-0.5)
-            res[f"flashinfer_tc{int(tc)}"] = graph_time(
-                lambda i, w=w, q=q, views=views: w.run(q, views[i]), layers)
-            ref = w.run(q, views[0]) if ref is None else ref
-        default = default_num_splits(bs, hk, torch.cuda.get_device_properties(0)
-                                     .multi_processor_count)
-        for splits in sorted({default, 4, 8, 16, 32}):
-            def run(i, s=splits, q=q, views=views, fb=fb):  # noqa: ANN001, ANN202
-                return decode_attention(q, *views[i], fb.kv_indptr, fb.kv_indices, d**-0.5,
-                                        num_splits=s)
-            res[f"triton_s{splits}{'*' if splits == default else ''}"] = graph_time(run, layers)
-        res["triton_worklist"] = graph_time(_worklist_pass(q, views, fb, bs), layers)
-        for vname, sec in res.items():
-            emit(exp="decode_attn", bs=bs, ctx=ctx, variant=vname, us_per_layer=round(sec * 1e6, 2),
-                 kv_tbps=round(kvbytes / layers / sec / 1e12, 2))
-
-
 def read_ceiling() -> None:
     """How fast HBM can be read at all: a 4 GiB device copy (bytes read + written, the
     roofline's baseline), torch.sum (read only) and a Triton read-only kernel over a grid of
@@ -296,62 +256,46 @@ def read_ceiling() -> None:
              tbps=round(nbytes / sec / 1e12, 3))
 
 
-def decode_variants() -> None:
-    """FlashInfer decode attention at batch 64 / 256, context 1k, over the 32 layers of a
-    paged pool: the tensor-core wrapper as used, without split-KV, with a fixed split size,
-    and the prefill wrappers (FA2 / FA3) with one query per request."""
-    import flashinfer
+DECODE = dict(layers=32, hq=32, hk=8, d=128, ps=16)  # Llama-3-8B's attention, page 16
+
+
+def _decode_batches(cases: list[list[int]]) -> Iterator[tuple]:
+    """(lens, fb, q, views, ws) per case (one list of context lengths each) over one random
+    paged pool of the Llama-3-8B attention shape; views are the 32 layers' (K, V)."""
     from gpu_harness import PagedSeqs
 
-    from pdserve.engine.attention.flashinfer_backend import page_tables
     from pdserve.engine.attention.triton_backend import TritonAttentionBackend
     from pdserve.engine.kv_pool import KVPool
 
-    layers, hq, hk, d, ctx, ps = 32, 32, 8, 128, 1024, 16
-    pool = KVPool(256 * (ctx // ps) + 64, layers, ps, hk, d, torch.bfloat16, "cuda")
+    c = DECODE
+    pages = max(sum(-(-n // c["ps"]) for n in lens) for lens in cases) + 64
+    pool = KVPool(pages, c["layers"], c["ps"], c["hk"], c["d"], torch.bfloat16, "cuda")
     pool.buffer.normal_()
     seqs = PagedSeqs(pool, TritonAttentionBackend("cuda"), seed=1)
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    views = [(pool.k_view(i), pool.v_view(i)) for i in range(layers)]
-    for bs in (64, 256):
-        seqs.pretend_context(bs, ctx - 1)
-        fb = seqs.batch([[7]] * bs)
-        q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16)
-        kvbytes = bs * ctx * layers * 2 * hk * d * 2
-        indptr, idx, last = page_tables(fb, torch.device("cuda"))
-        common = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=d**-0.5)
-        ref = None
-        variants = [("tc", {}), ("tc_nosplit", {"disable_split_kv": True}),
-                    ("tc_split16", {"fixed_split_size": 16}),
-                    ("tc_split32", {"fixed_split_size": 32})]
-        for vname, extra in variants:
-            try:
-                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
-                w.plan(indptr, idx, last, hq, hk, d, ps, **common, **extra)
-                o = w.run(q, views[0])
-                ref = o if ref is None else ref
-                sec = graph_time(lambda i, w=w, q=q: w.run(q, views[i]), layers)
-                emit(exp="decode_variant", bs=bs, variant=vname, us_per_layer=round(sec * 1e6, 2),
-                     kv_tbps=round(kvbytes / layers / sec / 1e12, 3),
-                     max_diff=float((o.float() - ref.float()).abs().max()))
-            except Exception as e:  # noqa: BLE001
-                emit(exp="decode_variant", bs=bs, variant=vname, error=str(e)[:300])
-        qo = torch.arange(bs + 1, dtype=torch.int32)
-        for backend in ("fa2", "fa3"):
-            try:
-                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
-                w.plan(qo, indptr, idx, last, hq, hk, d, ps, causal=False, **common)
-                o = w.run(q, views[0])
-                sec = graph_time(lambda i, w=w, q=q: w.run(q, views[i]), layers)
-                emit(exp="decode_variant", bs=bs, variant=f"prefill_{backend}",
-                     us_per_layer=round(sec * 1e6, 2),
-                     kv_tbps=round(kvbytes / layers / sec / 1e12, 3),
-                     max_diff=float((o.float() - ref.float()).abs().max()))
-            except Exception as e:  # noqa: BLE001
-                emit(exp="decode_variant", bs=bs, variant=f"prefill_{backend}", error=str(e)[:300])
+    views = [(pool.k_view(i), pool.v_view(i)) for i in range(c["layers"])]
+    for lens in cases:
+        seqs.pretend_context(len(lens), [n - 1 for n in lens])
+        fb = seqs.batch([[7]] * len(lens))
+        q = torch.randn(len(lens), c["hq"], c["d"], device="cuda", dtype=torch.bfloat16)
+        yield lens, fb, q, views, ws
 
 
-def _worklist_pass(q, views, fb, bs: int, cfg: dict | None = None):  # noqa: ANN001, ANN202
+def _flashinfer_decode(ws, fb, tensor_cores: bool = True, **plan_kw):  # noqa: ANN001, ANN202
+    """FlashInfer's decode wrapper planned for `fb` (bf16, DECODE's shape)."""
+    import flashinfer
+
+    from pdserve.engine.attention.flashinfer_backend import page_tables
+
+    c = DECODE
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
+    w.plan(*page_tables(fb, torch.device("cuda")), c["hq"], c["hk"], c["d"], c["ps"],
+           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=c["d"] ** -0.5,
+           **plan_kw)
+    return w
+
+
+def _worklist_pass(q, views, fb):  # noqa: ANN001, ANN202
     """run(i) for layer i of a pass through the work-list kernel: one plan per pass (at layer
     0), as the engine makes it."""
     from pdserve.kernels.decode_worklist import (
@@ -360,7 +304,8 @@ def _worklist_pass(q, views, fb, bs: int, cfg: dict | None = None):  # noqa: ANN
         worklist_config,
     )
 
-    cfg = cfg or worklist_config(bs)
+    bs = q.shape[0]
+    cfg = worklist_config(bs)
     plans = []
 
     def run(i: int) -> torch.Tensor:
@@ -372,46 +317,90 @@ def _worklist_pass(q, views, fb, bs: int, cfg: dict | None = None):  # noqa: ANN
     return run
 
 
-def decode_sweep() -> None:
-    """Decode attention over the 32 layers of a paged pool at batch 64 / 256: context 1k for
-    every sequence, and one sequence of 32k among sequences of 1k; FlashInfer's tensor-core
-    decode, our split-KV kernel (default splits) and our work-list kernel (worklist_config)."""
-    import flashinfer
-    from gpu_harness import PagedSeqs
+def _kv_tbps(lens: list[int], sec_per_layer: float) -> float:
+    c = DECODE
+    return round(sum(lens) * 2 * c["hk"] * c["d"] * 2 / sec_per_layer / 1e12, 3)
 
-    from pdserve.engine.attention.flashinfer_backend import page_tables
-    from pdserve.engine.attention.triton_backend import TritonAttentionBackend
-    from pdserve.engine.kv_pool import KVPool
+
+def decode_choices() -> None:
+    """Decode attention over the 32 layers of a paged pool, context 1k at batch 1 / 8 / 64 /
+    256, and one sequence of 32k among sequences of 1k at batch 64 / 256: FlashInfer with and
+    without tensor cores, our split-KV kernel at several split counts (* = default) and our
+    work-list kernel (worklist_config)."""
     from pdserve.kernels.decode_attention import decode_attention, default_num_splits
 
-    layers, hq, hk, d, ps = 32, 32, 8, 128, 16
-    pool = KVPool(256 * 64 + 2048 + 64, layers, ps, hk, d, torch.bfloat16, "cuda")
-    pool.buffer.normal_()
-    seqs = PagedSeqs(pool, TritonAttentionBackend("cuda"), seed=1)
-    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    views = [(pool.k_view(i), pool.v_view(i)) for i in range(layers)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for bs, lens in ((256, [1024] * 256), (64, [1024] * 64), (64, [1024] * 63 + [32768]),
-                     (256, [1024] * 255 + [32768])):
-        seqs.pretend_context(bs, [n - 1 for n in lens])
-        fb = seqs.batch([[7]] * bs)
-        q = torch.randn(bs, hq, d, device="cuda", dtype=torch.bfloat16)
-        kvbytes = sum(lens) * layers * 2 * hk * d * 2
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
-        w.plan(*page_tables(fb, torch.device("cuda")), hq, hk, d, ps,
-               q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=d**-0.5)
-        splits = default_num_splits(bs, hk, sms)
-        runs = {"flashinfer_tc": lambda i, w=w, q=q: w.run(q, views[i]),
-                f"triton_split{splits}": lambda i, q=q, fb=fb, s=splits: decode_attention(
-                    q, *views[i], fb.kv_indptr, fb.kv_indices, d**-0.5, num_splits=s),
-                "triton_worklist": _worklist_pass(q, views, fb, bs)}
-        ref = runs["flashinfer_tc"](0)
-        for name, run in runs.items():
-            diff = float((run(0).float() - ref.float()).abs().max())
-            sec = graph_time(run, layers, reps=5)
-            emit(exp="decode_sweep", bs=bs, lens="uniform" if len(set(lens)) == 1 else "one 32k",
-                 variant=name, us_per_layer=round(sec * 1e6, 2),
-                 kv_tbps=round(kvbytes / layers / sec / 1e12, 3), max_diff=diff)
+    cases = [[1024] * b for b in (1, 8, 64, 256)]
+    cases += [[1024] * 63 + [32768], [1024] * 255 + [32768]]
+    for lens, fb, q, views, ws in _decode_batches(cases):
+        bs = len(lens)
+
+        def flashinfer(tc: bool, fb=fb, ws=ws, q=q, views=views):  # noqa: ANN001, ANN202
+            w = _flashinfer_decode(ws, fb, tc)  # planned now: the wrappers share `ws`
+            return lambda i: w.run(q, views[i])
+
+        def split_kv(s: int, q=q, views=views, fb=fb):  # noqa: ANN001, ANN202
+            return lambda i: decode_attention(q, *views[i], fb.kv_indptr, fb.kv_indices,
+                                              DECODE["d"] ** -0.5, num_splits=s)
+
+        makers = {f"flashinfer_tc{int(tc)}": partial(flashinfer, tc) for tc in (True, False)}
+        default = default_num_splits(bs, DECODE["hk"], sms)
+        for splits in sorted({default, 4, 8, 16, 32}):
+            makers[f"triton_s{splits}{'*' if splits == default else ''}"] = partial(split_kv,
+                                                                                   splits)
+        makers["triton_worklist"] = partial(_worklist_pass, q, views, fb)
+        ref = None
+        for name, make in makers.items():
+            run = make()
+            out = run(0)
+            ref = out if ref is None else ref
+            diff = float((out.float() - ref.float()).abs().max())
+            sec = graph_time(run, DECODE["layers"], reps=5)
+            emit(exp="decode_attn", bs=bs, lens="1k" if len(set(lens)) == 1 else "one 32k",
+                 variant=name, us_per_layer=round(sec * 1e6, 2), kv_tbps=_kv_tbps(lens, sec),
+                 max_diff=diff)
+
+
+def decode_variants() -> None:
+    """FlashInfer decode attention at batch 64 / 256, context 1k, over the 32 layers of a
+    paged pool: the tensor-core wrapper as used, without split-KV, with a fixed split size,
+    and the prefill wrappers (FA2 / FA3) with one query per request."""
+    import flashinfer
+
+    from pdserve.engine.attention.flashinfer_backend import page_tables
+
+    c = DECODE
+    for lens, fb, q, views, ws in _decode_batches([[1024] * 64, [1024] * 256]):
+        bs = len(lens)
+        runs = {}
+        for vname, extra in (("tc", {}), ("tc_nosplit", {"disable_split_kv": True}),
+                             ("tc_split16", {"fixed_split_size": 16}),
+                             ("tc_split32", {"fixed_split_size": 32})):
+            runs[vname] = partial(_flashinfer_decode, ws, fb, True, **extra)
+        indptr, idx, last = page_tables(fb, torch.device("cuda"))
+        for backend in ("fa2", "fa3"):
+            def prefill(backend=backend, ws=ws, bs=bs, indptr=indptr, idx=idx,  # noqa: ANN001, ANN202
+                        last=last):
+                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+                w.plan(torch.arange(bs + 1, dtype=torch.int32), indptr, idx, last, c["hq"],
+                       c["hk"], c["d"], c["ps"], causal=False, q_data_type=torch.bfloat16,
+                       kv_data_type=torch.bfloat16, sm_scale=c["d"] ** -0.5)
+                return w
+            runs[f"prefill_{backend}"] = prefill
+        ref = None
+        for vname, make in runs.items():
+            try:
+                w = make()
+                o = w.run(q, views[0])
+                ref = o if ref is None else ref
+                sec = graph_time(lambda i, w=w, q=q, views=views: w.run(q, views[i]),
+                                 c["layers"])
+                emit(exp="decode_variant", bs=bs, variant=vname, us_per_layer=round(sec * 1e6, 2),
+                     kv_tbps=_kv_tbps(lens, sec),
+                     max_diff=float((o.float() - ref.float()).abs().max()))
+            except Exception as e:  # noqa: BLE001
+                emit(exp="decode_variant", bs=bs, variant=vname, error=str(e)[:300])
+
 
 def prefill_choices() -> None:
     import flashinfer
@@ -583,8 +572,7 @@ def main() -> int:
     args = p.parse_args()
     fns = {"linear": linear_choices, "decode": decode_choices, "prefill": prefill_choices,
            "prefill_model": prefill_model, "gemv": gemv_choices,
-           "read": read_ceiling, "decode_variants": decode_variants,
-           "decode_sweep": decode_sweep}
+           "read": read_ceiling, "decode_variants": decode_variants}
     for name in args.only.split(","):
         t0 = time.perf_counter()
         print(f"== {name}", flush=True)
