@@ -112,6 +112,16 @@ def timed_pipelined(fn: Callable[[], object], iters: int, warmup: int = 3) -> fl
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def alternating(measure: Callable[[bool], float]) -> tuple[float, float]:
+    """Best of two `measure(True)` / `measure(False)` runs taken in turn (so that clock drift
+    hits both alike): (on, off)."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(2):
+        for on in (True, False):
+            times[on].append(measure(on))
+    return min(times[True]), min(times[False])
+
+
 def run_decode_loop(runner, pool, prompts: list[list[int]], steps: int, overlap: bool,  # noqa: ANN001
                     warm_steps: int = 0, profiler=None) -> tuple[float, int, list]:  # noqa: ANN001
     """The real decode loop (Scheduler -> ModelRunner -> CUDA graph -> sampler) over `prompts`,
@@ -336,14 +346,11 @@ class Bench:
                                                         max(batches))
                     runners[on].capture()
             for b in batches:
-                times = {True: [], False: []}
-                for _ in range(2):
-                    for on in (True, False):
-                        with toggle(on):  # a replay plans as its graph was captured
-                            times[on].append(timed_pipelined(
-                                lambda fb=fbs[b], r=runners[on]: r.replay(fb).argmax(-1),
-                                iters))
-                on, off = min(times[True]), min(times[False])
+                def measure(on: bool, b=b, toggle=toggle, runners=runners) -> float:  # noqa: ANN001
+                    with toggle(on):  # a replay plans as its graph was captured
+                        return timed_pipelined(
+                            lambda: runners[on].replay(fbs[b]).argmax(-1), iters)
+                on, off = alternating(measure)
                 self.report_decode(name, f"cuda-graph back to back, {label}", b, on)
                 self.report_decode(name, f"cuda-graph back to back, {off_label}", b, off)
                 self.rec(f"decode {name}", f"{off_label} / {label} step time bs={b}",
@@ -393,12 +400,10 @@ class Bench:
                  "x", torch_ops_ms=round(plain * 1e3, 2))
         from pdserve.engine.models.fused import gemm_silu
 
-        times = {True: [], False: []}
-        for _ in range(2):  # alternating, so that clock drift hits both alike
-            for on in (True, False):
-                with gemm_silu(on):
-                    times[on].append(timed(run, 5, warmup=1))
-        on, off = min(times[True]), min(times[False])
+        def measure(on: bool) -> float:
+            with gemm_silu(on):
+                return timed(run, 5, warmup=1)
+        on, off = alternating(measure)
         self.rec(f"prefill {name}", "cuBLAS+SiLU / GEMM+SiLU prefill time", round(off / on, 3),
                  "x", gemm_silu_ms=round(on * 1e3, 2), cublas_silu_ms=round(off * 1e3, 2))
 
