@@ -315,16 +315,18 @@ class Bench:
     def _fusion_ab(self, name: str, backend, fbs, iters: int) -> None:  # noqa: ANN001
         """Graph steps back to back at batch >= 64 with and without each fusion that applies
         there (gate_up + SiLU-mul as one GEMM, kernels/gemm.py; RoPE + KV store as one kernel,
-        kernels/rope.py), and for the flashinfer backend with our Triton decode attention
-        against FlashInfer's BatchDecode; alternating runs."""
+        kernels/rope.py; the residual adds in the closing projections' GEMMs), and for the
+        flashinfer backend with our Triton decode attention against FlashInfer's BatchDecode;
+        alternating runs."""
         from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
-        from pdserve.engine.models.fused import gemm_silu, rope_store
+        from pdserve.engine.models.fused import gemm_silu, residual_gemm, rope_store
 
         batches = [b for b in self.batches if b >= 64]
         if not batches:
             return
         toggles = [("GEMM+SiLU", "cuBLAS+SiLU", gemm_silu),
-                   ("RoPE+store", "RoPE, store", rope_store)]
+                   ("RoPE+store", "RoPE, store", rope_store),
+                   ("residual add in GEMM", "residual add in norm", residual_gemm)]
         if hasattr(backend, "flashinfer_decode_only"):  # flashinfer: whose decode kernel
 
             @contextmanager
@@ -398,14 +400,18 @@ class Bench:
             plain = timed(run, 3, warmup=1)
         self.rec(f"prefill {name}", "torch-ops / fused-ops prefill time", round(plain / sec, 3),
                  "x", torch_ops_ms=round(plain * 1e3, 2))
-        from pdserve.engine.models.fused import gemm_silu
+        from pdserve.engine.models.fused import gemm_silu, residual_gemm
 
-        def measure(on: bool) -> float:
-            with gemm_silu(on):
-                return timed(run, 5, warmup=1)
-        on, off = alternating(measure)
-        self.rec(f"prefill {name}", "cuBLAS+SiLU / GEMM+SiLU prefill time", round(off / on, 3),
-                 "x", gemm_silu_ms=round(on * 1e3, 2), cublas_silu_ms=round(off * 1e3, 2))
+        for label, off_label, toggle in (("GEMM+SiLU", "cuBLAS+SiLU", gemm_silu),
+                                         ("residual add in GEMM", "residual add in norm",
+                                          residual_gemm)):
+            def measure(on: bool, toggle=toggle) -> float:  # noqa: ANN001
+                with toggle(on):
+                    return timed(run, 5, warmup=1)
+            on, off = alternating(measure)
+            self.rec(f"prefill {name}", f"{off_label} / {label} prefill time",
+                     round(off / on, 3), "x", on_ms=round(on * 1e3, 2),
+                     off_ms=round(off * 1e3, 2))
 
     def correctness(self, names: list[str]) -> None:
         """Each backend (eager, CUDA graph) against the plain-torch bf16 reference and an fp32

@@ -28,7 +28,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -566,13 +566,12 @@ def prefill_model() -> None:
     torch.cuda.empty_cache()
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="linear,decode,prefill_model,prefill")
+def run_sections(doc: str, fns: dict[str, Callable[[], None]], default: str) -> int:
+    """The command line of a measuring script: `--only` picks sections of `fns`, each run in
+    turn with its time printed; a section that fails prints its traceback and the rest go on."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--only", default=default)
     args = p.parse_args()
-    fns = {"linear": linear_choices, "decode": decode_choices, "prefill": prefill_choices,
-           "prefill_model": prefill_model, "gemv": gemv_choices,
-           "read": read_ceiling, "decode_variants": decode_variants}
     for name in args.only.split(","):
         t0 = time.perf_counter()
         print(f"== {name}", flush=True)
@@ -582,6 +581,13 @@ def main() -> int:
             traceback.print_exc()
         print(f"== {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
     return 0
+
+
+def main() -> int:
+    return run_sections(__doc__, {
+        "linear": linear_choices, "decode": decode_choices, "prefill": prefill_choices,
+        "prefill_model": prefill_model, "gemv": gemv_choices, "read": read_ceiling,
+        "decode_variants": decode_variants}, "linear,decode,prefill_model,prefill")
 
 
 if __name__ == "__main__":

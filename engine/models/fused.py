@@ -4,7 +4,10 @@ fused matrix-vector kernels (kernels/gemv.py, engine/models/decode_gemv.py), and
 MLP's gate_up projection of SILU_MIN_ROWS or more rows runs through our GEMM with SiLU-mul in
 its epilogue (kernels/gemm.py) instead of cuBLAS followed by the SiLU-mul kernel, and whether a
 decode step's RoPE and KV store are one kernel (kernels/rope.apply_rope_store_;
-PDSERVE_ROPE_STORE=0 or `rope_store(False)`: RoPE, then the backend's store).
+PDSERVE_ROPE_STORE=0 or `rope_store(False)`: RoPE, then the backend's store), and whether the
+projections that close a block (o_proj, down_proj) add into the residual stream inside their
+cuBLAS GEMM (`residual.addmm_`, beta = 1; PDSERVE_RESIDUAL_GEMM=0 or `residual_gemm(False)`:
+the add is fused into the next RMSNorm instead, which then reads and writes the stream too).
 
 Fused on CUDA when Triton imports; plain torch on CPU, with PDSERVE_FUSED_OPS=0, or inside
 `fused_ops(False)` (the torch reference the GPU tests compare against). The batch-1 GEMV path
@@ -26,7 +29,8 @@ import torch
 _enabled = {"ops": os.environ.get("PDSERVE_FUSED_OPS", "1") != "0",
             "gemv": os.environ.get("PDSERVE_DECODE_GEMV", "1") != "0",
             "gemm": os.environ.get("PDSERVE_GEMM_SILU", "1") != "0",
-            "rope_store": os.environ.get("PDSERVE_ROPE_STORE", "1") != "0"}
+            "rope_store": os.environ.get("PDSERVE_ROPE_STORE", "1") != "0",
+            "residual_gemm": os.environ.get("PDSERVE_RESIDUAL_GEMM", "1") != "0"}
 
 
 @functools.cache
@@ -58,6 +62,10 @@ def use_decode_gemv(x: torch.Tensor) -> bool:
 
 def use_rope_store(x: torch.Tensor) -> bool:
     return _enabled["rope_store"] and use_fused(x)
+
+
+def use_residual_gemm(x: torch.Tensor) -> bool:
+    return _enabled["residual_gemm"] and use_fused(x)
 
 
 def use_gemm_silu(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -97,3 +105,8 @@ def gemm_silu(enabled: bool) -> AbstractContextManager[None]:
 def rope_store(enabled: bool) -> AbstractContextManager[None]:
     """A decode step's RoPE + KV store as one kernel on or off."""
     return _override("rope_store", enabled)
+
+
+def residual_gemm(enabled: bool) -> AbstractContextManager[None]:
+    """The residual add inside the closing projections' GEMMs on or off (off: in the norms)."""
+    return _override("residual_gemm", enabled)

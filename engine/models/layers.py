@@ -72,11 +72,22 @@ class SwiGLUMLP(nn.Module):
                                         device=device)
         self.down_proj = empty_param(hidden_size, intermediate_size, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's output; with `residual`, added into it in place by the down projection's
+        GEMM (and `residual` returned)."""
         if use_gemm_silu(x, self.gate_up_proj):
-            return F.linear(kernels().gemm(x, self.gate_up_proj, silu_mul=True), self.down_proj)
-        gate_up = F.linear(x, self.gate_up_proj)
-        if use_fused(gate_up):
-            return F.linear(kernels().silu_mul(gate_up), self.down_proj)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+            act = kernels().gemm(x, self.gate_up_proj, silu_mul=True)
+        else:
+            gate_up = F.linear(x, self.gate_up_proj)
+            if use_fused(gate_up):
+                act = kernels().silu_mul(gate_up)
+            else:
+                gate, up = gate_up.split(self.intermediate_size, dim=-1)
+                act = F.silu(gate) * up
+        return linear_into(act, self.down_proj, residual)
+
+
+def linear_into(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """x @ w^T, or with `residual` that product added into `residual` in place by the GEMM
+    (one rounding) and `residual` returned."""
+    return F.linear(x, w) if residual is None else residual.addmm_(x, w.t())

@@ -17,8 +17,8 @@ from torch import nn
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 from pdserve.engine.models import decode_gemv
-from pdserve.engine.models.fused import kernels, use_fused, use_rope_store
-from pdserve.engine.models.layers import RMSNorm, SwiGLUMLP, empty_param
+from pdserve.engine.models.fused import kernels, use_fused, use_residual_gemm, use_rope_store
+from pdserve.engine.models.layers import RMSNorm, SwiGLUMLP, empty_param, linear_into
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rope
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -43,8 +43,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = empty_param(cfg.hidden_size, self.q_size, dtype=dtype, device=device)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The attention block's output; with `residual`, added into it in place by o_proj's
+        GEMM (and `residual` returned)."""
         t = x.shape[0]
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -62,7 +65,7 @@ class LlamaAttention(nn.Module):
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = fb.attn_backend.forward(self.layer_id, q, k, v, fb, self.scale)
-        return F.linear(o.reshape(t, self.q_size), self.o_proj)
+        return linear_into(o.reshape(t, self.q_size), self.o_proj, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -74,15 +77,23 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+        self, x: torch.Tensor | None, residual: torch.Tensor | None, cos: torch.Tensor,
         sin: torch.Tensor, fb: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(block output, residual stream before it is added): each block's closing residual
-        add is done by the next norm, fused with it."""
+        add is done by the next norm, fused with it. Where the closing projections add into
+        the stream in their GEMMs (`use_residual_gemm`), (None, the stream with it added).
+        x is None when the layer before returned so; residual is None in the first layer."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
+        elif x is None:
+            h = self.input_layernorm(residual)
         else:
             h, residual = self.input_layernorm(x, residual)
+        if use_residual_gemm(h):
+            self.self_attn(h, cos, sin, fb, residual)
+            self.mlp(self.post_attention_layernorm(residual), residual)
+            return None, residual
         h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, fb), residual)
         return self.mlp(h), residual
 
@@ -125,6 +136,8 @@ class LlamaForCausalLM(nn.Module):
         last = torch.cumsum(fb.extend_lens, dim=0) - 1
         if residual is None:  # no layers
             h = self.norm(h[last])
+        elif h is None:
+            h = self.norm(residual[last])
         else:
             h, _ = self.norm(h[last], residual[last])
         return F.linear(h, self.lm_head).float()

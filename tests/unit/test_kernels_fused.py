@@ -136,9 +136,12 @@ def test_silu_mul_matches_reference(t: int, n: int, block: int) -> None:
     torch.testing.assert_close(silu_mul(gate_up, block=block), silu_mul_reference(gate_up))
 
 
-def test_model_with_fused_ops_matches_plain_torch(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("residual_gemm", [True, False])
+def test_model_with_fused_ops_matches_plain_torch(tmp_path, monkeypatch,
+                                                  residual_gemm: bool) -> None:
     """The tiny Llama through every fused kernel (forced on, whatever the device) gives the
-    logits and greedy tokens of the plain-torch model."""
+    logits and greedy tokens of the plain-torch model, with the residual adds in the closing
+    projections' GEMMs or in the norms."""
     path = write_tiny_model(tmp_path, "llama", seed=3)
     model, _ = load_model(path, torch.float32, DEV)
     prompt = [5, 17, 99, 3, 250, 41, 7, 8, 120]
@@ -146,6 +149,7 @@ def test_model_with_fused_ops_matches_plain_torch(tmp_path, monkeypatch) -> None
     plain = PagedRunner(model, page_size=4).greedy(0, prompt, 5)
     monkeypatch.setattr(layers, "use_fused", lambda x: True)
     monkeypatch.setattr(llama, "use_fused", lambda x: True)
+    monkeypatch.setattr(llama, "use_residual_gemm", lambda x: residual_gemm)
     fused_logits = PagedRunner(model, page_size=4).extend({0: prompt})[0]
     torch.testing.assert_close(fused_logits, plain_logits, atol=1e-4, rtol=0)
     assert PagedRunner(model, page_size=4).greedy(0, prompt, 5) == plain
@@ -166,6 +170,7 @@ def test_batched_decode_with_fused_ops_matches_plain_torch(tmp_path, monkeypatch
             m.setattr(layers, "use_fused", lambda x: True)
             m.setattr(llama, "use_fused", lambda x: True)
             m.setattr(llama, "use_rope_store", lambda x: True)
+            m.setattr(llama, "use_residual_gemm", lambda x: True)
             got = fused.decode(toks)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         torch.testing.assert_close(fused.pool.buffer, plain.pool.buffer, atol=1e-5, rtol=0)

@@ -16,7 +16,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from pdserve.kernels.gemm import gemm, gemm_reference, silu_config, supported  # noqa: E402
+from pdserve.kernels.gemm import (  # noqa: E402
+    gemm,
+    gemm_reference,
+    silu_config,
+    supported,
+    tail_splits,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
@@ -46,6 +52,34 @@ def test_gemm_matches_reference(dtype, m: int, n: int, k: int, config, silu: boo
     assert got.shape == want.shape and got.dtype == dtype
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("silu,res", [(False, False), (True, False), (False, True),
+                                      (True, True)])
+def test_gemm_split_last_wave_matches_reference(dtype, silu: bool, res: bool) -> None:
+    """With 9 programs at once, the tiles of the last wave (2 of 20 with SiLU-mul, 4 of 40
+    without) are split over K into 4 / 2 partial sums; the result is the reference's."""
+    m, n, k, config = 70, 256, 512, (16, 32, 32, 2, 1, 4, 2)
+    assert tail_splits(20 if silu else 40, 9, 16) == (4 if silu else 2)
+    x = _randn(m, k, seed=11, dtype=dtype)
+    w = _randn(n, k, seed=12, dtype=dtype) / k**0.5
+    r = _randn(m, n // 2 if silu else n, seed=13, dtype=dtype) if res else None
+    got = gemm(x, w, silu_mul=silu, residual=r, config=config, sms=9)
+    want = gemm_reference(x, w, silu_mul=silu, residual=r)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_tail_splits() -> None:
+    """A 4096-token prefill's gate_up (3584 tiles of 128 x 128 on 132 SMs): the 20 tiles of
+    the last wave split 6 ways; no split for whole waves, one partial wave, or too little room."""
+    assert tail_splits(3584, 132, 64) == 6
+    assert tail_splits(27 * 132, 132, 64) == 1
+    assert tail_splits(100, 132, 64) == 1
+    assert tail_splits(224, 132, 64) == 1  # 92 left over: no room to split them
+    assert tail_splits(3584, 132, 8) == 2  # each split keeps >= 4 K tiles
+    assert tail_splits(3584, 0, 64) == 1
 
 
 def test_gemm_writes_into_out() -> None:
