@@ -21,7 +21,6 @@ device: the plan and both stages are CUDA-graph safe. With the same lengths ever
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -145,16 +144,6 @@ class DecodePlan:
     first: torch.Tensor  # [batch] int32
     count: torch.Tensor  # [batch] int32
     chunk: torch.Tensor  # [1] int32, tokens per item
-
-
-@functools.cache
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """The SM count of a CUDA device (4 elsewhere: the CPU interpreter's stand-in)."""
-    return _sms(device.index if device.index is not None else 0) if device.type == "cuda" else 4
 
 
 def uses_worklist(batch_size: int, num_kv_heads: int, num_sms: int) -> bool:

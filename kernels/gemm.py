@@ -23,8 +23,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from pdserve.kernels.decode_worklist import num_sms
-from pdserve.kernels.pdl import hopper_or_later
+from pdserve.kernels.device import hopper_or_later, num_sms
 
 
 def gemm_reference(x: torch.Tensor, w: torch.Tensor, *, silu_mul: bool = False,

@@ -11,25 +11,15 @@ keeps the programmatic edges. PDSERVE_PDL=0 or `pdl_enabled = False` turns it of
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.device import hopper_or_later
+
 pdl_enabled = os.environ.get("PDSERVE_PDL", "1") != "0"
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def hopper_or_later(device: torch.device) -> bool:
-    """Whether `device` is a CUDA GPU of compute capability 9 or more (PDL, TMA)."""
-    return device.type == "cuda" and _capability(device.index if device.index is not None
-                                                 else 0)[0] >= 9
 
 
 def use_pdl(device: torch.device) -> bool:

@@ -513,27 +513,38 @@ def gaps(fn, name: str, layout: str) -> None:  # noqa: ANN001
          largest=[(round(h[0], 1), h[1], h[2]) for h in sorted(holes, reverse=True)[:8]])
 
 
+def prefill_batch(cfg, backend_name: str, pool=None):  # noqa: ANN001, ANN201
+    """(pool, backend, fb): a fresh 4096-token sequence on shuffled pages of `pool` (made for
+    it when None), as one extend batch for `backend_name`."""
+    from gpu_harness import PagedSeqs
+
+    from pdserve.engine.kv_pool import KVPool
+
+    if pool is None:
+        pool = KVPool(4096 // 16 + 64, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim,
+                      torch.bfloat16, "cuda")
+    backend = make_backend(backend_name, cfg)
+    seqs = PagedSeqs(pool, backend, seed=2)
+    seqs.reset(1)
+    return pool, backend, seqs.batch([list(range(4096))])
+
+
 def prefill_model() -> None:
     """Host time of planning and of enqueueing a 4096-token prefill against its GPU time, and
     the kernel time by kernel: where the gaps between kernels come from."""
-    from gpu_harness import PagedSeqs, llama3_8b_config, random_model
+    from gpu_harness import llama3_8b_config, random_model
     from gpu_profile import kernel_table
 
-    from pdserve.engine.kv_pool import KVPool
     from pdserve.engine.models.layers import set_weight_layout
 
     cfg = llama3_8b_config()
     model = random_model(cfg)
-    pool = KVPool(4096 // 16 + 64, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim,
-                  torch.bfloat16, "cuda")
+    pool = None
     for name, layout in (("flashinfer", "row"), ("flashinfer-planned-first", "row")):
         set_weight_layout(model.projection_weights(), column_major=layout == "column")
-        backend = make_backend(name.split("-")[0], cfg)
+        pool, backend, fb = prefill_batch(cfg, name.split("-")[0], pool)
         if name.endswith("planned-first"):
             backend.lazy_extend_plan = False
-        seqs = PagedSeqs(pool, backend, seed=2)
-        seqs.reset(1)
-        fb = seqs.batch([list(range(4096))])
 
         def run(fb=fb, backend=backend) -> None:  # noqa: ANN001
             backend.init_forward(fb)

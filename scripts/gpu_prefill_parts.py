@@ -27,23 +27,23 @@ import torch.nn.functional as F
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "tests", "gpu")]  # also under python -P
-from gpu_bench import make_backend, timed, timed_pipelined  # noqa: E402
-from gpu_kernel_choices import SHAPES, _weights, emit, graph_time, run_sections  # noqa: E402
+from gpu_bench import timed, timed_pipelined  # noqa: E402
+from gpu_kernel_choices import (  # noqa: E402
+    SHAPES,
+    _weights,
+    emit,
+    graph_time,
+    prefill_batch,
+    run_sections,
+)
 
 
 def _prefill(backend_name: str = "flashinfer"):  # noqa: ANN202
-    from gpu_harness import PagedSeqs, llama3_8b_config, random_model
-
-    from pdserve.engine.kv_pool import KVPool
+    from gpu_harness import llama3_8b_config, random_model
 
     cfg = llama3_8b_config()
     model = random_model(cfg)
-    pool = KVPool(4096 // 16 + 64, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim,
-                  torch.bfloat16, "cuda")
-    backend = make_backend(backend_name, cfg)
-    seqs = PagedSeqs(pool, backend, seed=2)
-    seqs.reset(1)
-    fb = seqs.batch([list(range(4096))])
+    _, backend, fb = prefill_batch(cfg, backend_name)
 
     def run() -> None:
         backend.init_forward(fb)
@@ -114,9 +114,10 @@ def waves() -> None:
 
 
 def _waves(name: str, ws: list[torch.Tensor]) -> None:
+    from pdserve.kernels.device import num_sms
     from pdserve.kernels.gemm import DEFAULT_CONFIG, gemm
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = num_sms(torch.device("cuda"))
     bm, bn = DEFAULT_CONFIG[:2]
     n, k = ws[0].shape
     for m in (3840, 3968, 4096, 4224, 4352):

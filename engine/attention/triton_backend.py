@@ -21,6 +21,7 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, device: torch.device | str | None = None) -> None:
         # Imported here so the CPU serving path never needs triton.
         from pdserve.kernels import decode_attention, decode_worklist, extend_attention, kv_store
+        from pdserve.kernels.device import num_sms
 
         self._store = kv_store.store_kv
         self._decode = decode_attention.decode_attention
@@ -28,7 +29,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_splits_for = decode_attention.default_num_splits
         self._worklist = decode_worklist
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        self._num_sms = decode_worklist.num_sms(dev)
+        self._num_sms = num_sms(dev)
         self._fb: ForwardBatch | None = None
         self._qo_indptr: torch.Tensor | None = None
         self._max_extend = 0

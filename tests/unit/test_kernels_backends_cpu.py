@@ -97,6 +97,7 @@ def test_decode_kernel_routing_by_batch_size() -> None:
     (routing only: FlashInfer itself is not needed to decide)."""
     from pdserve.engine.attention import flashinfer_backend as fib
     from pdserve.kernels import decode_worklist
+    from pdserve.kernels.device import num_sms
 
     pytest.importorskip("triton")
     from pdserve.engine.attention.triton_backend import TritonAttentionBackend
@@ -104,7 +105,7 @@ def test_decode_kernel_routing_by_batch_size() -> None:
     backend = object.__new__(fib.FlashInferAttentionBackend)
     backend._triton_decode = TritonAttentionBackend()  # the interpreter's stand-in: 4 SMs
     backend.flashinfer_decode_only = False
-    sms = decode_worklist.num_sms(torch.device("cpu"))
+    sms = num_sms(torch.device("cpu"))
     assert [backend.triton_decodes(b, 2) for b in (1, 8, 9, 15, 16, 64)] == [
         True, True, False, False, True, True]
     assert not decode_worklist.uses_worklist(15, 2, sms)
