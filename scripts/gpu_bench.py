@@ -24,7 +24,9 @@ from contextlib import contextmanager
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "tests", "gpu")]  # also under python -P
+from gpu_clocks import sampled_clocks  # noqa: E402
 from gpu_harness import (  # noqa: E402
     PagedSeqs,
     confident_agreement,
@@ -112,11 +114,11 @@ def timed_pipelined(fn: Callable[[], object], iters: int, warmup: int = 3) -> fl
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def alternating(measure: Callable[[bool], float]) -> tuple[float, float]:
-    """Best of two `measure(True)` / `measure(False)` runs taken in turn (so that clock drift
-    hits both alike): (on, off)."""
+def alternating(measure: Callable[[bool], float], rounds: int = 2) -> tuple[float, float]:
+    """Best of `rounds` `measure(True)` / `measure(False)` runs taken in turn (so that clock
+    drift hits both alike): (on, off)."""
     times: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(2):
+    for _ in range(rounds):
         for on in (True, False):
             times[on].append(measure(on))
     return min(times[True]), min(times[False])
@@ -169,13 +171,21 @@ def copy_bandwidth(rec: Recorder) -> float:
     return bw
 
 
-def matmul_rate(rec: Recorder) -> float:
+def matmul_rate(rec: Recorder) -> tuple[float, float]:
+    """(the baseline: median of 20 synced 8192^3 bf16 matmuls, the same run back to back for
+    about a second with the SM clock and power sampled meanwhile: a sustained rate)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     sec = timed(lambda: a @ b, 20)
     rate = 2 * 8192**3 / sec
     rec("baseline", "bf16 matmul 8192^3", round(rate / 1e12, 1), "TFLOP/s")
-    return rate
+    clocks: dict[str, float] = {}
+    with sampled_clocks(clocks):
+        long_sec = timed_pipelined(lambda: a @ b, 700)
+    sustained = 2 * 8192**3 / long_sec
+    rec("baseline", "bf16 matmul 8192^3, 700 back to back (~1 s)", round(sustained / 1e12, 1),
+        "TFLOP/s", **clocks)
+    return rate, sustained
 
 
 def kv_read_bytes(cfg, batch: int, ctx: int) -> int:  # noqa: ANN001
@@ -201,6 +211,7 @@ class Bench:
         self.rec = rec
         self.bw = 0.0
         self.rate = 0.0
+        self.sustained = 0.0
         self.cfg = llama3_8b_config(args.layers)
         self.model = random_model(self.cfg, seed=0)
         self.wbytes = weight_bytes(self.model)
@@ -215,19 +226,20 @@ class Bench:
         kv = kv_read_bytes(self.cfg, batch, self.args.context) if with_kv else 0
         return (self.wbytes + kv) / self.bw
 
-    def report_decode(self, name: str, mode: str, batch: int, sec: float) -> None:
+    def report_decode(self, name: str, mode: str, batch: int, sec: float,
+                      **extra: object) -> None:
         ctx = self.args.context
         if batch == 1:
             ratio = sec / self.roofline_s(1, False)
             self.rec(f"decode {name}", f"{mode} step bs=1 ctx={ctx}", round(sec * 1e3, 3), "ms",
                      "<= 1.10x weights roofline", x_roofline=round(ratio, 3),
-                     roofline_ms=round(self.roofline_s(1, False) * 1e3, 3))
+                     roofline_ms=round(self.roofline_s(1, False) * 1e3, 3), **extra)
         else:
             frac = self.roofline_s(batch, True) / sec
             self.rec(f"decode {name}", f"{mode} step bs={batch} ctx={ctx}", round(sec * 1e3, 3),
                      "ms", ">= 80% of roofline (weights+KV)", frac_roofline=round(frac, 3),
                      roofline_ms=round(self.roofline_s(batch, True) * 1e3, 3),
-                     tok_per_s=round(batch / sec))
+                     tok_per_s=round(batch / sec), **extra)
 
     def decode(self, name: str) -> None:
         from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
@@ -262,8 +274,10 @@ class Bench:
             self.report_decode(name, "cuda-graph", b, sec)
             self.rec(f"decode {name}", f"eager / cuda-graph step time bs={b}",
                      round(eager[b] / sec, 3), "x")
-            piped = timed_pipelined(lambda fb=fb, r=runner: r.replay(fb).argmax(-1), iters)
-            self.report_decode(name, "cuda-graph, steps back to back", b, piped)
+            clocks: dict[str, float] = {}
+            with sampled_clocks(clocks):
+                piped = timed_pipelined(lambda fb=fb, r=runner: r.replay(fb).argmax(-1), iters)
+            self.report_decode(name, "cuda-graph, steps back to back", b, piped, **clocks)
             self.rec(f"decode {name}", f"synced / back-to-back step time bs={b}",
                      round(sec / piped, 3), "x")
         runner.graphs.clear()  # frees the graphs and their pool before the next section
@@ -390,12 +404,18 @@ class Bench:
 
         from pdserve.engine.models.fused import fused_ops
 
-        sec = timed(run, 5 if self.args.quick else 10, warmup=2)
+        for _ in range(2):  # warm-up (a first FlashInfer JIT build) outside the sampling
+            run()
+        torch.cuda.synchronize()
+        clocks: dict[str, float] = {}
+        with sampled_clocks(clocks):
+            sec = timed(run, 5 if self.args.quick else 10, warmup=0)
         rate = prefill_flops(self.cfg, t) / sec
         self.rec(f"prefill {name}", f"prefill {t} tokens", round(sec * 1e3, 2), "ms",
                  ">= 83% of matmul rate", tflops=round(rate / 1e12, 1),
                  frac_matmul=round(rate / self.rate, 3) if self.rate else None,
-                 tok_per_s=round(t / sec))
+                 frac_sustained=round(rate / self.sustained, 3) if self.sustained else None,
+                 tok_per_s=round(t / sec), **clocks)
         with fused_ops(False):
             plain = timed(run, 3, warmup=1)
         self.rec(f"prefill {name}", "torch-ops / fused-ops prefill time", round(plain / sec, 3),
@@ -408,7 +428,7 @@ class Bench:
             def measure(on: bool, toggle=toggle) -> float:  # noqa: ANN001
                 with toggle(on):
                     return timed(run, 5, warmup=1)
-            on, off = alternating(measure)
+            on, off = alternating(measure, rounds=4)
             self.rec(f"prefill {name}", f"{off_label} / {label} prefill time",
                      round(off / on, 3), "x", on_ms=round(on * 1e3, 2),
                      off_ms=round(off * 1e3, 2))
@@ -555,12 +575,14 @@ def main() -> int:
 
     base: dict[str, float] = {}
     rec.section("baseline copy", lambda: base.update(bw=copy_bandwidth(rec)))
-    rec.section("baseline matmul", lambda: base.update(rate=matmul_rate(rec)))
+    rec.section("baseline matmul",
+                lambda: base.update(zip(("rate", "sustained"), matmul_rate(rec))))
     rec.section("model", setup)
     if "b" in bench:
         b = bench["b"]
         b.bw = base.get("bw", 4.3e12)  # the README's figure if the measurement failed
         b.rate = base.get("rate", 0.0)
+        b.sustained = base.get("sustained", 0.0)
         only = set(args.only.split(","))
         if "correctness" in only:
             rec.section("correctness", lambda: b.correctness(names))
