@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
@@ -416,15 +416,24 @@ class Bench:
                  frac_matmul=round(rate / self.rate, 3) if self.rate else None,
                  frac_sustained=round(rate / self.sustained, 3) if self.sustained else None,
                  tok_per_s=round(t / sec), **clocks)
+        if self.sustained:
+            self.rec(f"prefill {name}", "prefill rate / sustained matmul rate (~1 s)",
+                     round(rate / self.sustained, 3), "", sustained_tflops=round(
+                         self.sustained / 1e12, 1))
         with fused_ops(False):
             plain = timed(run, 3, warmup=1)
         self.rec(f"prefill {name}", "torch-ops / fused-ops prefill time", round(plain / sec, 3),
                  "x", torch_ops_ms=round(plain * 1e3, 2))
+        from pdserve.engine.cuda_graph import preferred_blas
         from pdserve.engine.models.fused import gemm_silu, residual_gemm
+
+        def cublaslt(on: bool) -> AbstractContextManager[None]:
+            return preferred_blas("cublaslt" if on else "cublas")
 
         for label, off_label, toggle in (("GEMM+SiLU", "cuBLAS+SiLU", gemm_silu),
                                          ("residual add in GEMM", "residual add in norm",
-                                          residual_gemm)):
+                                          residual_gemm),
+                                         ("cuBLASLt", "cuBLAS", cublaslt)):
             def measure(on: bool, toggle=toggle) -> float:  # noqa: ANN001
                 with toggle(on):
                     return timed(run, 5, warmup=1)
