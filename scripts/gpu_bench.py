@@ -414,7 +414,6 @@ class Bench:
         self.rec(f"prefill {name}", f"prefill {t} tokens", round(sec * 1e3, 2), "ms",
                  ">= 83% of matmul rate", tflops=round(rate / 1e12, 1),
                  frac_matmul=round(rate / self.rate, 3) if self.rate else None,
-                 frac_sustained=round(rate / self.sustained, 3) if self.sustained else None,
                  tok_per_s=round(t / sec), **clocks)
         if self.sustained:
             self.rec(f"prefill {name}", "prefill rate / sustained matmul rate (~1 s)",

@@ -328,8 +328,9 @@ def decode_choices() -> None:
     without tensor cores, our split-KV kernel at several split counts (* = default) and our
     work-list kernel (worklist_config)."""
     from pdserve.kernels.decode_attention import decode_attention, default_num_splits
+    from pdserve.kernels.device import num_sms
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = num_sms(torch.device("cuda"))
     cases = [[1024] * b for b in (1, 8, 64, 256)]
     cases += [[1024] * 63 + [32768], [1024] * 255 + [32768]]
     for lens, fb, q, views, ws in _decode_batches(cases):
