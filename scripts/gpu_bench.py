@@ -26,7 +26,14 @@ from contextlib import AbstractContextManager, contextmanager
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "tests", "gpu")]  # also under python -P
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "tests", "gpu"),  # also under python -P
+                os.path.join(_HERE, "..", "tests")]
+from fixtures.periodic_model import (  # noqa: E402
+    continuation,
+    greedy_cases,
+    periodic_config,
+    periodic_model,
+)
 from gpu_clocks import sampled_clocks  # noqa: E402
 from gpu_harness import (  # noqa: E402
     PagedSeqs,
@@ -478,6 +485,39 @@ class Bench:
                 layer.self_attn.o_proj.mul_((2 * layers) ** -0.5)
                 layer.mlp.down_proj.mul_((2 * layers) ** -0.5)
         self._correctness(names, "scaled init")
+        self._periodic(names)
+
+    def _periodic(self, names: list[str]) -> None:
+        """Free-running greedy tokens on a small model whose top-1 is far ahead and found by
+        attention (tests/fixtures/periodic_model.py): each backend, eager and CUDA graph, at
+        batch 1, 5 and 13 with contexts of 20-2000 tokens, must continue the pattern as the
+        torch reference does."""
+        from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+        from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
+
+        steps = 16 if self.args.quick else 64
+        model = periodic_model(periodic_config(), "cuda")
+        cfg = model.config
+        pool = KVPool(2048, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
+                      "cuda")
+        cases = greedy_cases(cfg.vocab_size)
+        for name in ["torch", *names]:
+            for mode in ("eager",) if name == "torch" else ("eager", "cuda-graph"):
+                backend = TorchAttentionBackend() if name == "torch" else make_backend(name, cfg)
+                step = eager_step(model)
+                if mode == "cuda-graph":
+                    runner = CudaGraphDecodeRunner(model, pool, backend, 16)
+                    runner.capture()
+                    step = runner.replay
+                same = total = 0
+                for prompts in cases:
+                    toks, _ = greedy_run(model, PagedSeqs(pool, backend, seed=8), prompts, steps,
+                                         step)
+                    same += sum(t == continuation(p, steps + 1) for p, t in zip(prompts, toks))
+                    total += len(prompts)
+                self.rec(f"correct {name} {mode} periodic",
+                         f"greedy seqs equal over {steps} steps (bs 1/5/13)", f"{same}/{total}",
+                         "", "all", ok=same == total)
 
     def _correctness(self, names: list[str], variant: str) -> None:
         from pdserve.engine.attention.torch_backend import TorchAttentionBackend
@@ -541,15 +581,18 @@ class Bench:
         same = sum(a == b for a, b in zip(toks, ref_toks))
         first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                  for a, b in zip(toks, ref_toks)]
-        self.rec(sec, "max rel. norm diff of logits vs bf16 torch ref", round(worst, 5), "",
-                 "< 2e-2", ok=worst < 2e-2)
+        # On random weights two bf16 implementations differ by about the floor, and the top-2
+        # gap is below that noise: the last three rows are information, the greedy target is
+        # checked on the periodic model (_periodic).
         self.rec(sec, "max rel. norm diff of logits vs fp32", round(worst32, 5), "",
                  "<= 1.5x the bf16 ref's", x_floor=round(worst32 / floor, 3) if floor else None,
                  ok=worst32 <= 1.5 * floor)
+        self.rec(sec, "max rel. norm diff of logits vs bf16 torch ref", round(worst, 5), "",
+                 "info: ~ the floor")
         self.rec(sec, "argmax agreement where ref top-2 gap > 0.05", f"{agree}/{counted}", "",
-                 "all", ok=agree == counted)
+                 "info")
         self.rec(sec, f"greedy seqs equal over {steps} steps", f"{same}/{len(prompts)}", "",
-                 "all", first_divergence=first, ok=same == len(prompts))
+                 "info: random logits", first_divergence=first)
         del runner
 
 

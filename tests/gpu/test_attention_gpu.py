@@ -10,6 +10,13 @@ import os
 
 import pytest
 import torch
+from fixtures.periodic_model import (
+    continuation,
+    greedy_cases,
+    periodic_config,
+    periodic_hf_model,
+    periodic_model,
+)
 from gpu_harness import (
     PagedSeqs,
     confident_agreement,
@@ -125,13 +132,14 @@ def test_store_and_page_copy_on_gpu() -> None:
     assert torch.equal(p2, r2)
 
 
-def _run(model, name: str, prompts, steps: int, forced=None, graph_max_bs: int | None = None):
+def _run(model, name: str, prompts, steps: int, forced=None, graph_max_bs: int | None = None,
+         pages: int = 512):
     from pdserve.engine.attention.torch_backend import TorchAttentionBackend
     from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
 
     cfg = model.config
     backend = TorchAttentionBackend() if name == "torch" else _backend(name, cfg.num_heads)
-    pool = KVPool(512, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
+    pool = KVPool(pages, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
                   "cuda")
     seqs = PagedSeqs(pool, backend, seed=3)
     step = eager_step(model)
@@ -158,6 +166,41 @@ def test_backend_matches_torch_reference(name: str) -> None:
     assert worst < 2e-2, worst
     agree, counted = confident_agreement(ref_logits, logits, margin=0.05)
     assert counted > 0 and agree == counted, (agree, counted)
+
+
+@pytest.fixture(scope="module")
+def periodic():
+    """(our model, HF's) with weights that continue periodic sequences (periodic_model.py)."""
+    cfg = periodic_config()
+    return periodic_model(cfg, "cuda"), periodic_hf_model(cfg, "cuda")
+
+
+@pytest.mark.parametrize(("name", "graph"), [("torch", False)] + [
+    (name, graph) for name in BACKENDS for graph in (False, True)])
+def test_greedy_64_steps_on_periodic_model(periodic, name: str, graph: bool) -> None:
+    """Free-running greedy decode for 64 steps at batch 1, 5 and 13 (contexts 20-2000, the
+    CUDA-graph batches padded to buckets 1, 8 and 16): every token equals the torch reference's
+    (eager) and the pattern's continuation."""
+    model, _ = periodic
+    for prompts in greedy_cases(model.config.vocab_size):
+        toks, _ = _run(model, name, prompts, 64, graph_max_bs=16 if graph else None, pages=2048)
+        for prompt, got in zip(prompts, toks):
+            assert got == continuation(prompt, 65), (len(prompt), got, continuation(prompt, 65))
+
+
+def test_periodic_model_matches_hf_generate(periodic) -> None:
+    """HF transformers' greedy generate (the plain reference) continues the pattern too, and
+    the last prompt token's logits match ours."""
+    model, hf = periodic
+    prompt = greedy_cases(model.config.vocab_size)[1][2]
+    ids = torch.tensor([prompt], device="cuda")
+    out = hf.generate(ids, max_new_tokens=64, do_sample=False,
+                      attention_mask=torch.ones_like(ids))
+    assert out[0, len(prompt):].tolist() == continuation(prompt, 64)
+    _, logits = _run(model, "triton", [prompt], 0)
+    with torch.no_grad():
+        want = hf(ids).logits[0, -1:].float()
+    assert rel_diff(logits[0], want) < 2e-2, rel_diff(logits[0], want)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
