@@ -118,6 +118,19 @@ def eager_step(model: torch.nn.Module) -> Callable[[ForwardBatch], torch.Tensor]
     return run
 
 
+def decode_step(model: torch.nn.Module, pool: KVPool, backend: AttentionBackend,
+                graph_max_bs: int | None = None) -> Callable[[ForwardBatch], torch.Tensor]:
+    """A decode step for `greedy_run`: eager, or replays of CUDA graphs captured for batches up
+    to `graph_max_bs`."""
+    if graph_max_bs is None:
+        return eager_step(model)
+    from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
+
+    runner = CudaGraphDecodeRunner(model, pool, backend, graph_max_bs)
+    runner.capture()
+    return runner.replay
+
+
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))

@@ -20,6 +20,7 @@ from fixtures.periodic_model import (
 from gpu_harness import (
     PagedSeqs,
     confident_agreement,
+    decode_step,
     eager_step,
     greedy_run,
     random_model,
@@ -135,19 +136,13 @@ def test_store_and_page_copy_on_gpu() -> None:
 def _run(model, name: str, prompts, steps: int, forced=None, graph_max_bs: int | None = None,
          pages: int = 512):
     from pdserve.engine.attention.torch_backend import TorchAttentionBackend
-    from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
 
     cfg = model.config
     backend = TorchAttentionBackend() if name == "torch" else _backend(name, cfg.num_heads)
     pool = KVPool(pages, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
                   "cuda")
-    seqs = PagedSeqs(pool, backend, seed=3)
-    step = eager_step(model)
-    if graph_max_bs is not None:
-        runner = CudaGraphDecodeRunner(model, pool, backend, graph_max_bs)
-        runner.capture()
-        step = runner.replay
-    return greedy_run(model, seqs, prompts, steps, step, forced)
+    step = decode_step(model, pool, backend, graph_max_bs)
+    return greedy_run(model, PagedSeqs(pool, backend, seed=3), prompts, steps, step, forced)
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
