@@ -24,7 +24,8 @@ import torch
 
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 from pdserve.engine.req import Req
-from pdserve.engine.schedule_batch import ScheduleBatch, to_device
+from pdserve.engine.schedule_batch import ScheduleBatch
+from pdserve.kernels.device import to_device
 
 PENDING = -1  # output_ids placeholder for a token sampled on the device, not yet read back
 

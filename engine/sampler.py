@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.schedule_batch import to_device
+from pdserve.kernels.device import to_device
 
 _MASK64 = (1 << 64) - 1
 

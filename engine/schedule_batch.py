@@ -8,14 +8,7 @@ import torch
 
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 from pdserve.engine.req import Req
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; on CUDA through pinned staging, asynchronously: a copy from
-    pageable memory may wait for the GPU to drain, which would undo overlap scheduling."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+from pdserve.kernels.device import to_device
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """What the kernels ask of the device they run on: its compute capability (PDL, TMA) and its
-SM count (grid sizes), each read once per device."""
+SM count (grid sizes), each read once per device; and host-to-device copies that do not block."""
 
 from __future__ import annotations
 
@@ -30,3 +30,11 @@ def hopper_or_later(device: torch.device) -> bool:
 def num_sms(device: torch.device) -> int:
     """The SM count of a CUDA device (4 elsewhere: the CPU interpreter's stand-in)."""
     return _sms(_index(device)) if device.type == "cuda" else 4
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; on CUDA through pinned staging, asynchronously: a copy from
+    pageable memory may wait for the GPU to drain, which would undo overlap scheduling."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -178,7 +178,7 @@ def supported(device: torch.device) -> bool:
 
 def silu_config(m: int) -> Config:
     """The fastest of a sweep on an H200 for the Llama-3-8B gate_up weight with SiLU-mul
-    (scripts/gpu_gemm_choices.py, docs/performance.md): 64 x 64 tiles (of each half) up to 64
+    (bench/gpu_gemm_choices.py, docs/performance.md): 64 x 64 tiles (of each half) up to 64
     rows, 128 x 128 above."""
     return (64, 64, 64, 8, 1, 4, 4) if m <= 64 else DEFAULT_CONFIG
 

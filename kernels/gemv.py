@@ -114,7 +114,7 @@ def _gemv_kernel(
 def default_blocks(n: int, w: torch.Tensor, norm: bool = False, silu_mul: bool = False
                    ) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps), the fastest of a sweep on an H200 for each Llama-3-8B
-    matrix as the decode path runs it, to within a few % (scripts/gpu_kernel_choices.py,
+    matrix as the decode path runs it, to within a few % (bench/gpu_kernel_choices.py,
     docs/performance.md). Row-major: with the norm in front or over 8192 rows, 16 rows (8 gate
     and 8 up rows with SiLU-mul) of 512-byte pieces per program under 4 warps; otherwise 4
     rows (8 over 4096) of 256-byte pieces under 8 warps. Column-major: 64-wide column pieces

@@ -17,9 +17,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "decode": ("pdserve.decode.main", "run a decode worker"),
     "mixed": ("pdserve.decode.mixed_main", "run a worker doing prefill and decode (no transfer)"),
     "generate": ("pdserve.engine.generate_cli", "offline generation from a JSONL prompt file"),
-    "kvbench": ("pdserve.kvtransfer.bench", "benchmark KV page transfer between two processes"),
+    "kvbench": ("pdserve.bench.kv", "benchmark KV page transfer between two processes"),
     "kvtrace": ("pdserve.kvtransfer.trace", "stage medians of a PDSERVE_KV_TRACE=1 log"),
-    "bench": ("pdserve.router.bench", "serving load generator (TTFT, ITL, goodput)"),
+    "bench": ("pdserve.bench.serve", "serving load generator (TTFT, ITL, goodput)"),
 }
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from pdserve.engine.schedule_batch import to_device
+from pdserve.kernels.device import to_device
 from pdserve.kvtransfer import trace
 from pdserve.kvtransfer.backends.same_host import SameHostEngine
 from pdserve.kvtransfer.config import IPC_COPIES

@@ -10,14 +10,14 @@ import os
 
 import pytest
 import torch
-from fixtures.periodic_model import (
+from pdserve.bench.periodic_model import (
     continuation,
     greedy_cases,
     periodic_config,
     periodic_hf_model,
     periodic_model,
 )
-from gpu_harness import (
+from pdserve.bench.gpu_harness import (
     PagedSeqs,
     confident_agreement,
     decode_step,

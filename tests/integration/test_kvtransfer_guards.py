@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
+from pdserve.bench.kv_peer import PeerProcess, PoolSpec, make_pool, wait_for
 from pdserve.kvtransfer import KVManager, KVPoll, TransferConfig
 from pdserve.kvtransfer.backends.tcp import TcpEngine
 from pdserve.kvtransfer.chunk_header import ChunkHeader
 from pdserve.kvtransfer.descriptors import descs
-from pdserve.kvtransfer.peer import PeerProcess, PoolSpec, make_pool, wait_for
 
 CFG = TransferConfig(backend="tcp", heartbeat_interval_s=0.2, heartbeat_misses=3)
 SPEC = PoolSpec(num_pages=32, num_layers=2, page_size=4, num_kv_heads=2, head_dim=8)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.bench.kv_peer import PoolSpec, make_pool, wait_for
 from pdserve.kvtransfer import AuxData, KVManager, KVPoll, TransferConfig
-from pdserve.kvtransfer.peer import PoolSpec, make_pool, wait_for
 
 SPEC = PoolSpec(num_pages=40, num_layers=3, page_size=4, num_kv_heads=2, head_dim=8)
 

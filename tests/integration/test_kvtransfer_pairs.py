@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
+from pdserve.bench.kv_peer import PeerProcess, PoolSpec, make_pool, wait_for
 from pdserve.kvtransfer import AuxData, KVManager, KVPoll, TransferConfig
-from pdserve.kvtransfer.peer import PeerProcess, PoolSpec, make_pool, wait_for
 
 BACKENDS = ["tcp", "shm", "ucx"]
 HB = {"heartbeat_interval_s": 0.2, "heartbeat_misses": 3}  # 0.6 s window

@@ -8,7 +8,8 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("router", "prefill", "decode", "kvtransfer", "kernels", "engine", "proto", "pdserve")
+FOLDERS = ("router", "prefill", "decode", "kvtransfer", "kernels", "engine", "proto", "bench",
+           "pdserve")
 
 
 def _expected() -> set[str]:
@@ -31,5 +32,5 @@ def test_wheel_contains_every_module(tmp_path: Path) -> None:
     missing = sorted(_expected() - inside)
     assert not missing, f"modules missing from the wheel (add their packages): {missing}"
     assert "pdserve/proto/pdserve.proto" in inside
-    assert not any(n.startswith(("kernels/", "engine/", "router/")) for n in inside), \
+    assert not any(n.startswith(("kernels/", "engine/", "router/", "bench/")) for n in inside), \
         "bare top-level module names would collide with other packages"

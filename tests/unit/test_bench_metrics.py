@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.bench_client import RequestResult, allocate_tokens
-from pdserve.router.bench_config import BenchConfig
-from pdserve.router.bench_metrics import (
+from pdserve.bench.serve_client import RequestResult, allocate_tokens
+from pdserve.bench.serve_config import BenchConfig
+from pdserve.bench.serve_metrics import (
     itls_ms,
     meets_slo,
     stage_breakdown,
@@ -15,8 +15,8 @@ from pdserve.router.bench_metrics import (
     timeline,
     tpot_ms,
 )
-from pdserve.router.bench_report import format_table
-from pdserve.router.bench_runner import QueueSample, RunOutcome
+from pdserve.bench.serve_report import format_table
+from pdserve.bench.serve_runner import QueueSample, RunOutcome
 
 
 def _result(times: list[float], tokens: list[int] | None = None, **kw) -> RequestResult:

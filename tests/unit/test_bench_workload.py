@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from pdserve.router.bench_config import BenchConfig, config_from_args, parse_range
-from pdserve.router.bench_runner import arrival_gaps
-from pdserve.router.bench_workload import build_workload
+from pdserve.bench.serve_config import BenchConfig, config_from_args, parse_range
+from pdserve.bench.serve_runner import arrival_gaps
+from pdserve.bench.serve_workload import build_workload
 
 
 def test_parse_range_and_config_errors_name_the_field():

@@ -1,11 +1,11 @@
-"""The periodic model (tests/fixtures/periodic_model.py), which the GPU tests use for greedy
+"""The periodic model (bench/periodic_model.py), which the GPU tests use for greedy
 checks, does what it is built for on CPU: our engine's model and HF transformers both continue
 its patterns, and their logits agree."""
 
 from __future__ import annotations
 
 import torch
-from fixtures.periodic_model import (
+from pdserve.bench.periodic_model import (
     continuation,
     greedy_cases,
     periodic_config,
@@ -15,7 +15,7 @@ from fixtures.periodic_model import (
 
 
 def _greedy(model, prompts: list[list[int]], steps: int) -> list[list[int]]:  # noqa: ANN001
-    from gpu.gpu_harness import PagedSeqs, eager_step, greedy_run
+    from pdserve.bench.gpu_harness import PagedSeqs, eager_step, greedy_run
 
     from pdserve.engine.attention.torch_backend import TorchAttentionBackend
     from pdserve.engine.kv_pool import KVPool

@@ -19,9 +19,9 @@ import re
 
 import numpy as np
 
-from pdserve.router.bench_client import RequestResult
-from pdserve.router.bench_config import BenchConfig
-from pdserve.router.bench_runner import RunOutcome
+from pdserve.bench.serve_client import RequestResult
+from pdserve.bench.serve_config import BenchConfig
+from pdserve.bench.serve_runner import RunOutcome
 
 STAGES = ("queue", "bootstrap", "prefill", "transfer", "decode", "ttft")
 _ROOM = re.compile(r"\d{6,}")

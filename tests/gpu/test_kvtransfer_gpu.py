@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.bench.kv_peer import PeerProcess, PoolSpec, make_pool, page_checksum, wait_for
 from pdserve.kvtransfer import KVManager, KVPoll, TransferConfig
-from pdserve.kvtransfer.peer import PeerProcess, PoolSpec, make_pool, page_checksum, wait_for
 
 pytestmark = pytest.mark.gpu
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 
-from pdserve.router.bench_config import BenchConfig
-from pdserve.router.bench_workload import BenchRequest
+from pdserve.bench.serve_config import BenchConfig
+from pdserve.bench.serve_workload import BenchRequest
 
 
 @dataclass

@@ -9,10 +9,10 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pdserve.bench.kv_peer import PoolSpec, make_pool, page_checksum
 from pdserve.kvtransfer.aux import AuxData
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.manager import KVManager
-from pdserve.kvtransfer.peer import PoolSpec, make_pool, page_checksum
 from pdserve.kvtransfer.poll import KVPoll
 
 

@@ -6,8 +6,8 @@
 Sends streamed requests (HTTP SSE, or the router's gRPC Generate with `--grpc HOST:PORT`)
 under Poisson / gamma arrivals or a concurrency cap, records every chunk's arrival time and
 reports TTFT, ITL, TPOT, end-to-end latency, throughput, goodput and the router's per-stage
-timings; with `--output-dir`, also bench_report.json and PNG plots. Definitions are in
-bench_metrics. Exit status: 0 when every request succeeded, 1 when some failed, 2 on bad input
+timings; with `--output-dir`, also serve_report.json and PNG plots. Definitions are in
+serve_metrics. Exit status: 0 when every request succeeded, 1 when some failed, 2 on bad input
 or an unreachable router.
 """
 
@@ -18,11 +18,11 @@ import sys
 
 import httpx
 
-from pdserve.router import bench_metrics, bench_report
-from pdserve.router.bench_client import GrpcBenchClient, HttpBenchClient
-from pdserve.router.bench_config import BenchConfig, config_from_args
-from pdserve.router.bench_runner import RunOutcome, run_bench
-from pdserve.router.bench_workload import build_workload
+from pdserve.bench import serve_metrics, serve_report
+from pdserve.bench.serve_client import GrpcBenchClient, HttpBenchClient
+from pdserve.bench.serve_config import BenchConfig, config_from_args
+from pdserve.bench.serve_runner import RunOutcome, run_bench
+from pdserve.bench.serve_workload import build_workload
 
 
 async def resolve_model(http: httpx.AsyncClient, model: str | None) -> str:
@@ -62,14 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, httpx.HTTPError) as e:
         print(f"pdserve bench: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    summary = bench_metrics.summarize(cfg, outcome)
+    summary = serve_metrics.summarize(cfg, outcome)
     if cfg.output_dir:
-        timeline = bench_metrics.timeline(outcome)
-        path = bench_report.write_report(cfg.output_dir, cfg, model, summary, timeline,
+        timeline = serve_metrics.timeline(outcome)
+        path = serve_report.write_report(cfg.output_dir, cfg, model, summary, timeline,
                                          outcome.results)
         files = [path]
         try:
-            from pdserve.router.bench_plots import write_plots
+            from pdserve.bench.serve_plots import write_plots
 
             files += write_plots(cfg.output_dir, outcome.results, timeline, cfg.slo_ttft_ms,
                                  cfg.slo_itl_ms)
@@ -78,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         if not cfg.json:
             print("wrote " + ", ".join(files), file=sys.stderr)
     if cfg.json:
-        print(bench_report.json_line(model, cfg, summary), flush=True)
+        print(serve_report.json_line(model, cfg, summary), flush=True)
     else:
-        print(bench_report.format_table(cfg, summary), flush=True)
+        print(serve_report.format_table(cfg, summary), flush=True)
     return 0 if summary["failed"] == 0 else 1
 
 

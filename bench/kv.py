@@ -23,12 +23,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pdserve.bench.kv_peer import PoolSpec, make_pool, page_checksum
+from pdserve.bench.kv_worker import SenderProcess
 from pdserve.kvtransfer.backends import available_backends
-from pdserve.kvtransfer.bench_worker import SenderProcess
 from pdserve.kvtransfer.config import IPC_COPIES, TransferConfig
 from pdserve.kvtransfer.descriptors import merge_runs
 from pdserve.kvtransfer.manager import KVManager
-from pdserve.kvtransfer.peer import PoolSpec, make_pool, page_checksum
 from pdserve.kvtransfer.poll import KVPoll
 
 # (num_layers, num_kv_heads, head_dim)

@@ -8,7 +8,7 @@ retires a request when it is done and admits the next (continuous batching). Bot
 same useful tokens (the sum of the requested lengths). Prints tokens/s of each (generation
 only; loading excluded), the ratio, and how many outputs match token for token.
 
-    python scripts/bench_generate.py [--num-prompts 32] [--output-len 8:128] [--model PATH]
+    python -m pdserve.bench.generate_vs_hf [--num-prompts 32] [--output-len 8:128] [--model PATH]
         [--repeats 3] [--no-cpu-kernels]
 """
 

@@ -4,25 +4,21 @@ random-weight Llama-3-8B-shaped model (kernels grouped by name, with counts), an
 of a CUDA-graph replay (replay of the bare graph vs the runner's replay with input copies and
 planning).
 
-usage: python scripts/gpu_profile.py [--backends triton,flashinfer] [--batches 1,256]
+usage: python3 -P -m pdserve.bench.gpu_profile [--backends triton,flashinfer] [--batches 1,256]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections import defaultdict
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "tests", "gpu")]  # also under python -P
-from gpu_bench import kv_read_bytes, make_backend, timed  # noqa: E402
-from gpu_harness import PagedSeqs, llama3_8b_config, random_model  # noqa: E402
-
-from pdserve.engine.kv_pool import KVPool  # noqa: E402
+from pdserve.bench.gpu_bench import kv_read_bytes, make_backend, timed
+from pdserve.bench.gpu_harness import PagedSeqs, llama3_8b_config, random_model
+from pdserve.engine.kv_pool import KVPool
 
 
 def kernel_table(fn, steps: int = 3) -> list[tuple[str, int, float]]:  # noqa: ANN001

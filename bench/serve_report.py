@@ -7,9 +7,9 @@ import json
 import math
 import os
 
-from pdserve.router.bench_client import RequestResult
-from pdserve.router.bench_config import BenchConfig
-from pdserve.router.bench_metrics import itls_ms, output_tokens, tpot_ms, ttft_ms
+from pdserve.bench.serve_client import RequestResult
+from pdserve.bench.serve_config import BenchConfig
+from pdserve.bench.serve_metrics import itls_ms, output_tokens, tpot_ms, ttft_ms
 
 REPORT_NAME = "bench_report.json"
 

@@ -8,7 +8,7 @@ correctness against the torch reference (logit relative norm, greedy tokens over
 Every section is independent: a failure is reported and the rest still runs. Prints a table
 last; with $OUT set, writes JSON lines to $OUT/gpu_bench.jsonl.
 
-usage: python scripts/gpu_bench.py [--quick] [--skip-flashinfer] [--backends flashinfer,triton]
+usage: python3 -P -m pdserve.bench.gpu_bench [--quick] [--skip-flashinfer] [--backends flashinfer,triton]
 """
 
 from __future__ import annotations
@@ -25,17 +25,8 @@ from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "tests", "gpu"),  # also under python -P
-                os.path.join(_HERE, "..", "tests")]
-from fixtures.periodic_model import (  # noqa: E402
-    continuation,
-    greedy_cases,
-    periodic_config,
-    periodic_model,
-)
-from gpu_clocks import sampled_clocks  # noqa: E402
-from gpu_harness import (  # noqa: E402
+from pdserve.bench.gpu_clocks import sampled_clocks
+from pdserve.bench.gpu_harness import (
     PagedSeqs,
     confident_agreement,
     decode_step,
@@ -46,9 +37,14 @@ from gpu_harness import (  # noqa: E402
     rel_diff,
     weight_bytes,
 )
-
-from pdserve.engine.engine import DECODE_WORKER_COLUMN_MAJOR  # noqa: E402
-from pdserve.engine.kv_pool import KVPool  # noqa: E402
+from pdserve.bench.periodic_model import (
+    continuation,
+    greedy_cases,
+    periodic_config,
+    periodic_model,
+)
+from pdserve.engine.engine import DECODE_WORKER_COLUMN_MAJOR
+from pdserve.engine.kv_pool import KVPool
 
 
 class Recorder:
@@ -489,7 +485,7 @@ class Bench:
 
     def _periodic(self, names: list[str]) -> None:
         """Free-running greedy tokens on a small model whose top-1 is far ahead and found by
-        attention (tests/fixtures/periodic_model.py): each backend, eager and CUDA graph, at
+        attention (bench/periodic_model.py): each backend, eager and CUDA graph, at
         batch 1, 5 and 13 with contexts of 20-2000 tokens, must continue the pattern as the
         torch reference does."""
         from pdserve.engine.attention.torch_backend import TorchAttentionBackend
@@ -599,7 +595,7 @@ class Bench:
                        for _ in range(bs)]
             per_step = {}
             for on in (True, False):
-                # As scripts/gpu_loop_profile.py: three warm-up steps, then per timed step.
+                # As bench/gpu_loop_profile.py: three warm-up steps, then per timed step.
                 sec, calls, reqs = run_decode_loop(runner, self.pool, prompts, steps, on,
                                                    warm_steps=3)
                 per_step[on] = sec / max(calls, 1)

@@ -11,13 +11,12 @@
 - `residual`: a projection followed by the residual add + RMSNorm (the add in the norm) against
   the add done by cuBLAS (`residual.addmm_`) and a norm with no residual.
 
-usage: python scripts/gpu_prefill_parts.py [--only timeline,waves,residual]
+usage: python3 -P -m pdserve.bench.gpu_prefill_parts [--only timeline,waves,residual]
 """
 
 from __future__ import annotations
 
 import cProfile
-import os
 import pstats
 import sys
 import time
@@ -25,10 +24,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "tests", "gpu")]  # also under python -P
-from gpu_bench import timed, timed_pipelined  # noqa: E402
-from gpu_kernel_choices import (  # noqa: E402
+from pdserve.bench.gpu_bench import timed, timed_pipelined
+from pdserve.bench.gpu_kernel_choices import (
     SHAPES,
     _weights,
     emit,
@@ -39,7 +36,7 @@ from gpu_kernel_choices import (  # noqa: E402
 
 
 def _prefill(backend_name: str = "flashinfer"):  # noqa: ANN202
-    from gpu_harness import llama3_8b_config, random_model
+    from pdserve.bench.gpu_harness import llama3_8b_config, random_model
 
     cfg = llama3_8b_config()
     model = random_model(cfg)

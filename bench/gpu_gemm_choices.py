@@ -5,20 +5,17 @@ split-K counts: plain, and for gate_up with SiLU-mul in the epilogue against cuB
 our SiLU-mul kernel. Weights are cycled through enough copies that L2 never holds them; µs per
 call inside a CUDA graph. Prints one JSON row per measurement (also to $OUT/kernel_choices.jsonl).
 
-usage: python scripts/gpu_gemm_choices.py [--m 64,256,4096] [--shapes qkv,o_proj,gate_up,down]
+usage: python3 -P -m pdserve.bench.gpu_gemm_choices [--m 64,256,4096] [--shapes qkv,o_proj,gate_up,down]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "tests", "gpu")]  # also under python -P
-from gpu_kernel_choices import SHAPES, _weights, emit, graph_time  # noqa: E402
+from pdserve.bench.gpu_kernel_choices import SHAPES, _weights, emit, graph_time
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, num_warps, num_stages)
 SWEEP = [

@@ -1,4 +1,4 @@
-"""Random-weight Llama models and paged batches for the GPU tests and `scripts/gpu_bench.py`.
+"""Random-weight Llama models and paged batches for the GPU tests and `bench/gpu_bench.py`.
 
 `PagedSeqs` keeps sequences in a KV pool on shuffled, non-contiguous pages (page 0 never used)
 and builds ForwardBatch objects for extend and decode passes; `step_fn` picks how a batch runs

@@ -9,7 +9,7 @@ CUDA IPC handle, as the cuda_ipc transfer backend sees it (the kernel on the sou
 refused there: only the destination GPU reaches that mapping). Prints one JSON line per
 variant and a table.
 
-    python scripts/bench_page_copy.py [--tokens 4096] [--pool-pages 4097] [--iters 20] [--ipc]
+    python -m pdserve.bench.page_copy [--tokens 4096] [--pool-pages 4097] [--iters 20] [--ipc]
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import os
 
 import numpy as np
 
-from pdserve.router.bench_client import RequestResult
-from pdserve.router.bench_metrics import itls_ms, ttft_ms
+from pdserve.bench.serve_client import RequestResult
+from pdserve.bench.serve_metrics import itls_ms, ttft_ms
 
 DPI = 80
 

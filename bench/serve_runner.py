@@ -14,9 +14,9 @@ from typing import Any, Protocol
 
 import httpx
 
-from pdserve.router.bench_client import RequestResult
-from pdserve.router.bench_config import BenchConfig
-from pdserve.router.bench_workload import BenchRequest
+from pdserve.bench.serve_client import RequestResult
+from pdserve.bench.serve_config import BenchConfig
+from pdserve.bench.serve_workload import BenchRequest
 
 
 class BenchClient(Protocol):

@@ -4,7 +4,7 @@ the random-weight Llama-3-8B-shaped model: ms per step with overlap on and off, 
 of a third, overlapped run (functions by own time and by cumulative time). When the host needs
 longer per step than the GPU, overlap cannot hide it: this says where that time goes.
 
-usage: python scripts/gpu_loop_profile.py [--backend flashinfer] [--batches 1,64] [--steps 48]
+usage: python3 -P -m pdserve.bench.gpu_loop_profile [--backend flashinfer] [--batches 1,64] [--steps 48]
 """
 
 from __future__ import annotations
@@ -12,16 +12,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import sys
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "tests", "gpu")]  # also under python -P
-from gpu_bench import run_decode_loop  # noqa: E402
-from gpu_harness import llama3_8b_config, random_model  # noqa: E402
+from pdserve.bench.gpu_bench import run_decode_loop
+from pdserve.bench.gpu_harness import llama3_8b_config, random_model
 
 
 def main() -> int:

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdserve.router.bench_config import BenchConfig
+from pdserve.bench.serve_config import BenchConfig
 
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at "
          "which but have an they you were her she there one all we can has been if more when "

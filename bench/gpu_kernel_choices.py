@@ -16,7 +16,7 @@ measured on the GPU in one run (the choices the engine makes are checked against
 - the batch-1 GEMV kernels (kernels/gemv.py) per layer matrix against cuBLAS / cuBLASLt, over a
   sweep of block shapes and warps, plain and with their fused prologues / epilogues.
 
-usage: python scripts/gpu_kernel_choices.py
+usage: python3 -P -m pdserve.bench.gpu_kernel_choices
     [--only linear,decode,prefill,prefill_model,gemv,read,decode_variants]
 """
 
@@ -34,9 +34,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "tests", "gpu")]  # also under python -P
-from gpu_bench import make_backend, timed  # noqa: E402
+from pdserve.bench.gpu_bench import make_backend, timed
 
 OUT = os.environ.get("OUT")
 
@@ -262,8 +260,7 @@ DECODE = dict(layers=32, hq=32, hk=8, d=128, ps=16)  # Llama-3-8B's attention, p
 def _decode_batches(cases: list[list[int]]) -> Iterator[tuple]:
     """(lens, fb, q, views, ws) per case (one list of context lengths each) over one random
     paged pool of the Llama-3-8B attention shape; views are the 32 layers' (K, V)."""
-    from gpu_harness import PagedSeqs
-
+    from pdserve.bench.gpu_harness import PagedSeqs
     from pdserve.engine.attention.triton_backend import TritonAttentionBackend
     from pdserve.engine.kv_pool import KVPool
 
@@ -517,8 +514,7 @@ def gaps(fn, name: str, layout: str) -> None:  # noqa: ANN001
 def prefill_batch(cfg, backend_name: str, pool=None):  # noqa: ANN001, ANN201
     """(pool, backend, fb): a fresh 4096-token sequence on shuffled pages of `pool` (made for
     it when None), as one extend batch for `backend_name`."""
-    from gpu_harness import PagedSeqs
-
+    from pdserve.bench.gpu_harness import PagedSeqs
     from pdserve.engine.kv_pool import KVPool
 
     if pool is None:
@@ -533,9 +529,8 @@ def prefill_batch(cfg, backend_name: str, pool=None):  # noqa: ANN001, ANN201
 def prefill_model() -> None:
     """Host time of planning and of enqueueing a 4096-token prefill against its GPU time, and
     the kernel time by kernel: where the gaps between kernels come from."""
-    from gpu_harness import llama3_8b_config, random_model
-    from gpu_profile import kernel_table
-
+    from pdserve.bench.gpu_harness import llama3_8b_config, random_model
+    from pdserve.bench.gpu_profile import kernel_table
     from pdserve.engine.models.layers import set_weight_layout
 
     cfg = llama3_8b_config()
