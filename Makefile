@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install serve test soak lint proto gpu-check clean
+.PHONY: install serve test test-unit soak lint proto gpu-check clean
 
 install: $(STAMP)
 
@@ -24,6 +24,10 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest -q -m "not gpu" --durations=15 $(PYTEST_ARGS)
+
+# The fast loop: unit tests only (about a minute on two cores).
+test-unit: install
+	$(BIN)/python -m pytest -q -m "not gpu" tests/unit $(PYTEST_ARGS)
 
 # Minutes of hundreds of concurrent streaming clients on loopback (tiny model, CPU); prints a
 # `soak-result {...}` line. Knobs: PDSERVE_SOAK_SECONDS (180), PDSERVE_SOAK_CLIENTS (256).

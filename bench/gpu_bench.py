@@ -8,7 +8,8 @@ correctness against the torch reference (logit relative norm, greedy tokens over
 Every section is independent: a failure is reported and the rest still runs. Prints a table
 last; with $OUT set, writes JSON lines to $OUT/gpu_bench.jsonl.
 
-usage: python3 -P -m pdserve.bench.gpu_bench [--quick] [--skip-flashinfer] [--backends flashinfer,triton]
+usage: python3 -P -m pdserve.bench.gpu_bench [--quick] [--skip-flashinfer]
+           [--backends flashinfer,triton]
 """
 
 from __future__ import annotations

@@ -11,28 +11,50 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from pdserve.engine.req import Req
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.stream import StreamEvent
+from pdserve.kvtransfer.aux import AuxData
 from pdserve.kvtransfer.poll import KVPoll
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.worker.events import (
+    ErrorEvent,
+    EventSink,
+    FinishEvent,
+    StageTimes,
+    TokenOutput,
+    TokensEvent,
+)
+
+
+@dataclass
+class DecodeReq(Req):
+    """A request on the decode (or mixed) worker: its room and prefill's bootstrap address
+    (empty: prefill here), where its events go, and its KV receiver."""
+
+    room: int = 0
+    bootstrap_addr: str = ""
+    sink: EventSink | None = None
+    receiver: KVReceiver | None = None
+    t_prealloc: float = 0.0
+    t_transferred: float = 0.0
+    last_tokens: TokenOutput = TokenOutput()  # the finishing step's, sent with the finish
 
 
 class DecodeScheduler(Scheduler):
     def __init__(self, *args, kv_manager=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.kv = kv_manager
-        self.prealloc: deque[Req] = deque()
-        self.transfer: list[Req] = []
+        self.prealloc: deque[DecodeReq] = deque()
+        self.transfer: list[DecodeReq] = []
 
-    def add(self, req: Req) -> None:
-        ctx = req.user
-        super().add(req)
-        if ctx.bootstrap_addr:
-            if self.kv is None:
-                self.waiting.remove(req)
-                raise ValueError("bootstrap_addr: this worker has no KV transfer (mixed role)")
-            self.waiting.remove(req)
+    def add(self, req: DecodeReq) -> None:
+        if not req.bootstrap_addr:
+            super().add(req)
+        elif self.kv is None:
+            raise ValueError("bootstrap_addr: this worker has no KV transfer (mixed role)")
+        else:
             self.prealloc.append(req)
 
     @property
@@ -44,19 +66,34 @@ class DecodeScheduler(Scheduler):
             for r in list(q):
                 if r.rid == rid:
                     q.remove(r)
-                    if r.user.receiver is not None:
-                        r.user.receiver.abort(reason)
+                    if r.receiver is not None:
+                        r.receiver.abort(reason)
                     self._discard(r, reason)
                     return r
         return super().abort(rid, reason)
 
     # ---- hooks: streaming --------------------------------------------------------------------
 
-    def on_tokens(self, req: Req, num_new: int) -> None:
-        req.user.emit_tokens(req, num_new)
+    def on_tokens(self, req: DecodeReq, num_new: int) -> None:
+        tokens = TokenOutput.last_of(req, num_new)
+        if req.finished:
+            req.last_tokens = tokens
+        else:
+            req.sink.put(TokensEvent(tokens))
 
-    def on_finish(self, req: Req) -> None:
-        req.user.emit_finish(req)
+    def on_finish(self, req: DecodeReq) -> None:
+        now = time.perf_counter()
+        ms = 1000.0
+        first = req.first_token_time or now
+        start = req.t_transferred or first
+        timings = StageTimes(
+            ttft_ms=(first - req.arrival_time) * ms,
+            transfer_ms=(req.t_transferred - req.t_prealloc) * ms if req.t_transferred else 0.0,
+            prefill_ms=req.prefill_s * ms,
+            decode_ms=(now - start) * ms)
+        req.sink.put(FinishEvent(req.finish_reason or "abort", req.last_tokens,
+                                 len(req.input_ids), len(req.output_ids), req.cached_tokens,
+                                 timings))
 
     # ---- one iteration -----------------------------------------------------------------------
 
@@ -85,11 +122,10 @@ class DecodeScheduler(Scheduler):
             self.prealloc.popleft()
             slots = self.memory.req_to_token.read(req.req_pool_idx, 0, len(req.input_ids))
             pages = (slots[::ps] // ps).tolist()
-            ctx = req.user
-            ctx.t_prealloc = time.perf_counter()
+            req.t_prealloc = time.perf_counter()
             try:
-                ctx.receiver = self.kv.create_receiver(ctx.room, ctx.bootstrap_addr)
-                ctx.receiver.init(pages)
+                req.receiver = self.kv.create_receiver(req.room, req.bootstrap_addr)
+                req.receiver.init(pages)
             except (ValueError, RuntimeError, OSError) as e:
                 self._discard(req, f"transfer setup failed: {e}")
                 continue
@@ -98,7 +134,7 @@ class DecodeScheduler(Scheduler):
     def _poll_transfer(self) -> None:
         still = []
         for req in self.transfer:
-            rx = req.user.receiver
+            rx = req.receiver
             status = rx.poll()
             if status == KVPoll.Success:
                 self._start_from_transfer(req, rx.aux)
@@ -108,9 +144,9 @@ class DecodeScheduler(Scheduler):
                 still.append(req)
         self.transfer = still
 
-    def _start_from_transfer(self, req: Req, aux) -> None:
+    def _start_from_transfer(self, req: DecodeReq, aux: AuxData) -> None:
         """Build the running request from received pages + aux: no forward pass."""
-        req.user.t_transferred = time.perf_counter()
+        req.t_transferred = time.perf_counter()
         req.kv_len = len(req.input_ids)
         req.cached_tokens = int(aux.cached_tokens)
         tok = int(aux.first_token_id)
@@ -118,22 +154,23 @@ class DecodeScheduler(Scheduler):
         if req.sampling.logprobs is not None:
             req.output_logprobs.append(float(aux.first_logprob))
             if req.sampling.logprobs:
-                req.output_top_logprobs.append(([tok], [float(aux.first_logprob)]))
+                k = req.sampling.logprobs
+                req.output_top_logprobs.append((list(aux.top_ids[:k]),
+                                                list(aux.top_logprobs[:k])))
         self.token_done(req, tok, time.perf_counter())
         if req.finished:
             self.finish(req)
         else:
             self.running.append(req)
 
-    def _discard(self, req: Req, reason: str) -> None:
+    def _discard(self, req: DecodeReq, reason: str) -> None:
         """Drop a request whose pages hold no valid KV: free them, never cache them."""
         if req.req_pool_idx is not None:
             allocated = len(req.input_ids) if req.kv_len == 0 else 0
             req.kv_len = 0
             self.memory.release(req, extra_slots=allocated)
         req.finish_reason = "abort"
-        req.user.emit(StreamEvent("error", message=reason))
-        self.on_finish(req)
+        req.sink.put(ErrorEvent(reason))
 
     def snapshot(self) -> dict:
         st = self.memory.stats()

@@ -5,7 +5,7 @@ Validation raises ValueError naming the offending field, never `assert`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -90,10 +90,8 @@ class SchedulerConfig:
 
     max_running: int = 64
     chunked_prefill_size: int = 2048  # token budget of one extend batch
-    max_prefill_tokens: int = 8192
     decode_reserve_tokens: int = 32  # per running request, kept free for decode growth
     overlap_schedule: bool = True  # on CUDA: launch decode step N+1 before reading step N back
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_running <= 0:

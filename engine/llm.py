@@ -37,11 +37,16 @@ class GenerateOutput:
                 "cached_tokens": self.cached_tokens}
 
 
+@dataclass
+class OfflineReq(Req):
+    stream: TextStream | None = None  # applies stop strings and detokenizes
+
+
 class _OfflineScheduler(Scheduler):
     """Feeds every token to the request's TextStream, which applies stop strings."""
 
-    def on_tokens(self, req: Req, num_new: int) -> None:
-        stream: TextStream = req.user
+    def on_tokens(self, req: OfflineReq, num_new: int) -> None:
+        stream = req.stream
         if stream.finished:
             return
         stream.push_many(req.output_ids[-num_new:])
@@ -107,8 +112,13 @@ class LLM:
             ids = self.encode(prompt, chat)
             if any(not 0 <= t < vocab for t in ids):
                 raise ValueError(f"prompt: token ids must lie in [0, {vocab})")
-            req = Req(f"offline-{next(self._ids)}", ids, sp)
-            req.user = TextStream.from_params(self.tokenizer, sp, eos, ids)
+            if not ids:
+                raise ValueError("prompt: must contain at least one token")
+            if len(ids) >= self.memory.max_context_len:
+                raise ValueError(f"prompt: {len(ids)} tokens leave no room in the context of "
+                                 f"{self.memory.max_context_len}")
+            req = OfflineReq(f"offline-{next(self._ids)}", ids, sp,
+                             stream=TextStream.from_params(self.tokenizer, sp, eos, ids))
             reqs.append(req)
         added = []
         try:
@@ -125,7 +135,7 @@ class LLM:
                     self.scheduler.abort(req.rid)
         outs = []
         for prompt, req in zip(prompts, reqs):
-            stream: TextStream = req.user
+            stream = req.stream
             stream.finish(req.finish_reason or "abort")
             outs.append(GenerateOutput(
                 prompt, stream.text, list(req.output_ids), req.finish_reason or "abort",

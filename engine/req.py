@@ -4,6 +4,9 @@ KV ownership: the request's ReqToTokenPool row holds the slots of positions [0, 
 Positions [0, prefix_len) belong to the radix cache (kept alive by lock_ref on `last_node`);
 positions [prefix_len, kv_len) belong to the request until it releases them through
 `RadixCache.cache_finished_req`.
+
+Roles that need more per-request state subclass Req with typed fields (the offline engine's
+text stream, the prefill side's KV sender, the decode side's receiver and event sink).
 """
 
 from __future__ import annotations
@@ -39,8 +42,6 @@ class Req:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     prefill_s: float = 0.0
-    # free-form owner data (a stream queue, a transfer handle)
-    user: Any = None
 
     @property
     def fill_ids(self) -> list[int]:

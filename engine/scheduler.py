@@ -34,9 +34,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked: Req | None = None  # a prompt part-way through chunked prefill
         self.eos_ids = tuple(runner.model_config.eos_token_ids)
-        on_device = runner.device.type == "cuda" or config.extra.get("overlap_on_cpu", False)
-        self.overlap = (OverlapDecoder(self) if config.overlap_schedule and on_device
-                        else None)
+        self.overlap = (OverlapDecoder(self)
+                        if config.overlap_schedule and runner.device.type == "cuda" else None)
 
     # ---- hooks --------------------------------------------------------------------------------
 
@@ -56,12 +55,8 @@ class Scheduler:
     # ---- queue management -----------------------------------------------------------------------
 
     def add(self, req: Req) -> None:
-        limit = self.memory.max_context_len
-        if len(req.input_ids) == 0:
-            raise ValueError("prompt: must contain at least one token")
-        if len(req.input_ids) >= limit:
-            raise ValueError(
-                f"prompt: {len(req.input_ids)} tokens leave no room in the context of {limit}")
+        """Queue a request. The caller validated it (a non-empty prompt that leaves room in the
+        context, sampling parameters in range): the scheduler trusts its caller."""
         self.waiting.append(req)
 
     def abort(self, rid: str, reason: str = "abort") -> Req | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "shm", "tcp", "ucx", "cuda_ipc")
@@ -29,7 +30,7 @@ class TransferConfig:
     waiting_timeout_s: float = 30.0  # registered -> first pages (prefill may be queueing)
     transfer_timeout_s: float = 30.0  # first pages -> every page and the aux data
     heartbeat_interval_s: float = 1.0
-    heartbeat_misses: int = 3  # a peer silent for interval * misses fails all its rooms
+    heartbeat_misses: int = 5  # a peer silent for interval * misses fails all its rooms
     num_aux_slots: int = 1024  # decode: concurrent rooms (one aux slot each)
     finished_room_ttl_s: float = 30.0  # how long a finished room id is remembered (late drops)
     ipc_copy: str = "auto"
@@ -53,3 +54,25 @@ class TransferConfig:
     @property
     def heartbeat_window_s(self) -> float:
         return self.heartbeat_interval_s * self.heartbeat_misses
+
+
+def add_transfer_args(p: argparse.ArgumentParser) -> None:
+    """The workers' transfer flags; defaults are TransferConfig's."""
+    c = TransferConfig
+    p.add_argument("--transfer-backend", default=c.backend, help="|".join(BACKENDS))
+    p.add_argument("--bootstrap-port", type=int, default=c.bootstrap_port,
+                   help="KV bootstrap port (prefill; 0 = a free one)")
+    p.add_argument("--bootstrap-timeout", type=float, default=c.bootstrap_timeout_s)
+    p.add_argument("--waiting-timeout", type=float, default=c.waiting_timeout_s)
+    p.add_argument("--transfer-timeout", type=float, default=c.transfer_timeout_s)
+    p.add_argument("--heartbeat-interval", type=float, default=c.heartbeat_interval_s)
+    p.add_argument("--heartbeat-misses", type=int, default=c.heartbeat_misses,
+                   help="a KV peer silent for interval x misses fails all its rooms")
+
+
+def transfer_config_from_args(args: argparse.Namespace) -> TransferConfig:
+    return TransferConfig(
+        backend=args.transfer_backend, bootstrap_host=args.host,
+        bootstrap_port=args.bootstrap_port, bootstrap_timeout_s=args.bootstrap_timeout,
+        waiting_timeout_s=args.waiting_timeout, transfer_timeout_s=args.transfer_timeout,
+        heartbeat_interval_s=args.heartbeat_interval, heartbeat_misses=args.heartbeat_misses)

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-PROTOCOL_VERSION = 2  # 2: binary chunk headers and page lists
+PROTOCOL_VERSION = 3  # 2: binary chunk headers and page lists; 3: top logprobs in aux
 LAYOUT = "page-major"  # [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
 
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 import importlib
 import sys
 
-# subcommand -> (module, help). Each module exposes `main(argv: list[str]) -> int`.
+# subcommand -> ("module[:function]", help); the function (default `main`) takes the argv
+# after the subcommand and returns the exit status.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("pdserve.launcher", "start router + prefill + decode workers on this machine"),
     "router": ("pdserve.router.main", "run the router (gRPC + OpenAI-compatible HTTP)"),
     "prefill": ("pdserve.prefill.main", "run a prefill worker"),
     "decode": ("pdserve.decode.main", "run a decode worker"),
-    "mixed": ("pdserve.decode.mixed_main", "run a worker doing prefill and decode (no transfer)"),
+    "mixed": ("pdserve.decode.main:main_mixed",
+              "run a worker doing prefill and decode (no transfer)"),
     "generate": ("pdserve.engine.generate_cli", "offline generation from a JSONL prompt file"),
     "kvbench": ("pdserve.bench.kv", "benchmark KV page transfer between two processes"),
     "kvtrace": ("pdserve.kvtransfer.trace", "stage medians of a PDSERVE_KV_TRACE=1 log"),
@@ -43,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"pdserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(args[1:]) or 0)
+    module_name, _, func = SUBCOMMANDS[name][0].partition(":")
+    entry = getattr(importlib.import_module(module_name), func or "main")
+    return int(entry(args[1:]) or 0)
 
 
 if __name__ == "__main__":

@@ -10,30 +10,43 @@ it goes to the radix cache, so a repeated prefix is not recomputed.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from pdserve.engine.req import Req
 from pdserve.engine.schedule_batch import ScheduleBatch
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvtransfer.aux import AuxData
 from pdserve.kvtransfer.poll import KVPoll
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.worker.events import ErrorEvent, EventSink, PrefilledEvent, StageTimes
+
+
+@dataclass
+class PrefillReq(Req):
+    """A request on the prefill worker: its room, where its events go, and its KV sender."""
+
+    room: int = 0
+    sink: EventSink | None = None
+    sender: KVSender | None = None  # created when the request enters the bootstrap queue
+    pages_sent: int = 0  # pages [0, pages_sent) were handed to the sender
+    error: str = ""  # why it failed, when it did
+    t_bootstrap: float = 0.0
+    t_ready: float = 0.0  # decode registered its pages
 
 
 class PrefillScheduler(Scheduler):
     def __init__(self, *args, kv_manager, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.kv = kv_manager
-        self.bootstrap: list[Req] = []
-        self.inflight: list[Req] = []
+        self.bootstrap: list[PrefillReq] = []
+        self.inflight: list[PrefillReq] = []
 
     # ---- lifecycle hooks ---------------------------------------------------------------------
 
-    def add(self, req: Req) -> None:
-        """Queue a request whose `req.user` is its PrefillCtx (room, sender, reply callbacks)."""
-        ctx = req.user
-        super().add(req)
-        self.waiting.remove(req)  # it waits for decode in the bootstrap queue first
-        ctx.sender = self.kv.create_sender(ctx.room)
-        ctx.t_bootstrap = time.perf_counter()
+    def add(self, req: PrefillReq) -> None:
+        """Queue a request in the bootstrap queue: it waits there for decode's pages first."""
+        req.sender = self.kv.create_sender(req.room)
+        req.t_bootstrap = time.perf_counter()
         self.bootstrap.append(req)
 
     @property
@@ -49,20 +62,29 @@ class PrefillScheduler(Scheduler):
                     return r
         req = super().abort(rid, reason)
         if req is not None:
-            req.user.sender.abort(reason)
+            req.sender.abort(reason)
         return req
 
-    def on_prefill_done(self, req: Req) -> None:
-        ctx = req.user
-        first = req.output_ids[-1]
+    def on_prefill_done(self, req: PrefillReq) -> None:
+        """The first token, its logprob and top alternatives travel to decode in the aux data
+        of the last chunk; the RPC answers with the cached-token count and timings."""
+        top_ids, top_lps = req.output_top_logprobs[-1] if req.output_top_logprobs else ((), ())
         lp = req.output_logprobs[-1] if req.output_logprobs else 0.0
-        self._send_pages(req, last=True, aux=AuxData(first, float(lp), req.cached_tokens))
-        ctx.t_sent = time.perf_counter()
-        ctx.reply_first(req)
+        aux = AuxData(req.output_ids[-1], float(lp), req.cached_tokens, tuple(top_ids),
+                      tuple(top_lps))
+        self._send_pages(req, last=True, aux=aux)
+        ms = 1000.0
+        timings = StageTimes(
+            bootstrap_ms=(req.t_ready - req.t_bootstrap) * ms,
+            queue_ms=max(0.0, (time.perf_counter() - req.t_ready - req.prefill_s) * ms),
+            prefill_ms=req.prefill_s * ms)
+        req.sink.put(PrefilledEvent(req.cached_tokens, req.finish_reason or "", timings))
         self.inflight.append(req)
 
-    def on_finish(self, req: Req) -> None:
-        req.user.on_done(req)
+    def on_finish(self, req: PrefillReq) -> None:
+        # Every request's handler gets a final event: this error, unless PrefilledEvent already
+        # answered it (the channel then drops it).
+        req.sink.put(ErrorEvent(req.error or req.finish_reason or "aborted"))
 
     # ---- one iteration -----------------------------------------------------------------------
 
@@ -74,13 +96,13 @@ class PrefillScheduler(Scheduler):
     def run_extend(self, batch: ScheduleBatch) -> None:
         super().run_extend(batch)
         for e in batch.entries:  # chunked requests ship their completed pages now
-            if not e.completes and e.req.user.sender.poll() != KVPoll.Failed:
+            if not e.completes and e.req.sender.poll() != KVPoll.Failed:
                 self._send_pages(e.req, last=False)
 
     def _poll_bootstrap(self) -> None:
         still = []
         for req in self.bootstrap:
-            sender = req.user.sender
+            sender = req.sender
             status = sender.poll()
             if status == KVPoll.Failed:
                 self._fail(req, sender.failure_reason or "bootstrap failed", release=False)
@@ -91,7 +113,7 @@ class PrefillScheduler(Scheduler):
                                  f"the prompt needs {need}")
                     self._fail(req, sender.failure_reason or "page count mismatch", False)
                     continue
-                req.user.t_ready = time.perf_counter()
+                req.t_ready = time.perf_counter()
                 self.waiting.append(req)
             else:
                 still.append(req)
@@ -100,36 +122,35 @@ class PrefillScheduler(Scheduler):
     def _poll_inflight(self) -> None:
         still = []
         for req in self.inflight:
-            status = req.user.sender.poll()
+            status = req.sender.poll()
             if status == KVPoll.Success:
                 self.memory.release(req)
                 self.on_finish(req)
             elif status == KVPoll.Failed:
-                self._fail(req, req.user.sender.failure_reason or "transfer failed", True)
+                self._fail(req, req.sender.failure_reason or "transfer failed", True)
             else:
                 still.append(req)
         self.inflight = still
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _send_pages(self, req: Req, last: bool, aux: AuxData | None = None) -> None:
-        ctx = req.user
+    def _send_pages(self, req: PrefillReq, last: bool, aux: AuxData | None = None) -> None:
         ps = self.memory.page_size
         end = -(-req.kv_len // ps) if last else req.kv_len // ps
-        if end <= ctx.pages_sent and not last:
+        if end <= req.pages_sent and not last:
             return
         # Token i lies at offset i % ps of the request's (i // ps)-th page (page-aligned rows).
         slots = self.memory.slots_of(req, min(end * ps, req.kv_len))
-        pages = (slots[::ps] // ps).tolist()[ctx.pages_sent:end]
+        pages = (slots[::ps] // ps).tolist()[req.pages_sent:end]
         try:
-            ctx.sender.send(pages, ctx.pages_sent, last, aux)
+            req.sender.send(pages, req.pages_sent, last, aux)
         except (ValueError, RuntimeError):
             return  # the room is Failed now; _poll_inflight / the next poll releases it
-        ctx.pages_sent = end
+        req.pages_sent = end
 
-    def _fail(self, req: Req, reason: str, release: bool) -> None:
+    def _fail(self, req: PrefillReq, reason: str, release: bool) -> None:
         req.finish_reason = "abort"
-        req.user.error = reason
+        req.error = reason
         if release or req.req_pool_idx is not None:
             self.memory.release(req)
         self.on_finish(req)

@@ -249,34 +249,30 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., room: _Optional[int] = ..., decode_addr: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first", "cached_tokens", "finish_reason", "timings")
+    __slots__ = ("request_id", "cached_tokens", "finish_reason", "timings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    first: TokenChunk
     cached_tokens: int
     finish_reason: str
     timings: StageTimings
-    def __init__(self, request_id: _Optional[str] = ..., first: _Optional[_Union[TokenChunk, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "input_ids", "sampling", "room", "bootstrap_addr", "skip_first_token")
+    __slots__ = ("request_id", "input_ids", "sampling", "room", "bootstrap_addr")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_ADDR_FIELD_NUMBER: _ClassVar[int]
-    SKIP_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     room: int
     bootstrap_addr: str
-    skip_first_token: bool
-    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., room: _Optional[int] = ..., bootstrap_addr: _Optional[str] = ..., skip_first_token: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., room: _Optional[int] = ..., bootstrap_addr: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "finish_reason", "usage", "timings")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto.rpc import token_chunk
 
 TIMING_FIELDS = ("queue_ms", "bootstrap_ms", "prefill_ms", "transfer_ms", "decode_ms", "ttft_ms")
 
@@ -49,13 +50,10 @@ class FlowEvent:
     disagg: dict | None = None  # on the last event: DisaggDecision.to_json()
 
     def to_proto(self) -> pb.GenerateResponse:
-        chunk = pb.TokenChunk(token_ids=self.token_ids)
-        if self.logprobs:
-            chunk.logprobs.extend(lp.logprob for lp in self.logprobs)
-            if any(lp.top for lp in self.logprobs):
-                for lp in self.logprobs:
-                    chunk.top_logprobs.add(token_ids=[t[0] for t in lp.top],
-                                           logprobs=[t[2] for t in lp.top])
+        lps = self.logprobs or []
+        top = [([t[0] for t in lp.top], [t[2] for t in lp.top]) for lp in lps] \
+            if any(lp.top for lp in lps) else []
+        chunk = token_chunk(self.token_ids, [lp.logprob for lp in lps], top)
         msg = pb.GenerateResponse(request_id=self.request_id, chunk=chunk, text=self.text,
                                   finish_reason=self.finish_reason or "",
                                   prefill_worker=self.prefill_worker,

@@ -13,14 +13,17 @@ import signal
 import sys
 
 from pdserve.router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
+from pdserve.router.k8s_discovery import K8sDiscoveryConfig
 from pdserve.router.server import RouterServer
 
 
 def build_parser() -> argparse.ArgumentParser:
+    c, k8s = RouterConfig, K8sDiscoveryConfig  # flag defaults are the configs'
     p = argparse.ArgumentParser(prog="pdserve router", description=__doc__.splitlines()[0])
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=0, help="HTTP port (0 = any free port)")
-    p.add_argument("--grpc-port", type=int, default=0, help="gRPC port (0 = any free port)")
+    p.add_argument("--host", default=c.host, help=f"bind address (default {c.host})")
+    p.add_argument("--port", type=int, default=c.http_port, help="HTTP port (0 = any free port)")
+    p.add_argument("--grpc-port", type=int, default=c.grpc_port,
+                   help="gRPC port (0 = any free port)")
     p.add_argument("--prefill", action="append", default=[], metavar="ADDR",
                    help="prefill worker gRPC address HOST:PORT (repeatable)")
     p.add_argument("--decode", action="append", default=[], metavar="ADDR",
@@ -29,19 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixed (prefill+decode) worker gRPC address (repeatable)")
     p.add_argument("--model", default=None, help="model path (HF dir or .gguf) for the tokenizer")
     p.add_argument("--served-model-name", default=None, help="model name clients use")
-    p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="round_robin")
-    p.add_argument("--decode-policy", choices=DECODE_POLICIES, default="round_robin")
+    p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default=c.prefill_policy)
+    p.add_argument("--decode-policy", choices=DECODE_POLICIES, default=c.decode_policy)
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1")
     p.add_argument("--registration-secret", default=None,
                    help="cluster secret: workers present it to register and heartbeat; the "
                         "router sends it on every Worker RPC")
-    p.add_argument("--heartbeat-interval", type=float, default=2.0, metavar="S")
-    p.add_argument("--lease", type=float, default=10.0, metavar="S")
-    p.add_argument("--health-check-interval", type=float, default=2.0, metavar="S")
-    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    p.add_argument("--retries", type=int, default=1)
-    p.add_argument("--disagg-threshold", type=int, default=0, metavar="TOKENS",
+    p.add_argument("--heartbeat-interval", type=float, default=c.heartbeat_interval_s, metavar="S")
+    p.add_argument("--lease", type=float, default=c.lease_s, metavar="S")
+    p.add_argument("--health-check-interval", type=float, default=c.health_check_interval_s,
+                   metavar="S")
+    p.add_argument("--request-timeout", type=float, default=c.request_timeout_s, metavar="S")
+    p.add_argument("--max-body-bytes", type=int, default=c.max_body_bytes)
+    p.add_argument("--retries", type=int, default=c.retries)
+    p.add_argument("--disagg-threshold", type=int, default=c.disagg_threshold, metavar="TOKENS",
                    help="prefill remotely only when the uncached prompt has at least this many "
                         "tokens, else on the decode worker (0 = always disaggregate)")
     p.add_argument("--local-prefill-fallback", action="store_true",
@@ -55,10 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k8s-selector", default="", help="pod label selector of the workers")
     p.add_argument("--k8s-namespace", default=None, help="default: the router pod's namespace")
     p.add_argument("--k8s-api", default=None, help="API server URL (default: in-cluster)")
-    p.add_argument("--k8s-role-label", default="app.kubernetes.io/component")
-    p.add_argument("--k8s-grpc-port", type=int, default=50051,
+    p.add_argument("--k8s-role-label", default=k8s.role_label)
+    p.add_argument("--k8s-grpc-port", type=int, default=k8s.grpc_port,
                    help="worker gRPC port when the pod names no container port 'grpc'")
-    p.add_argument("--k8s-interval", type=float, default=2.0, metavar="S")
+    p.add_argument("--k8s-interval", type=float, default=k8s.interval_s, metavar="S")
     p.add_argument("--log-level", default="info")
     return p
 

@@ -22,9 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.proto.rpc import load_to_dict, open_channel, secret_metadata
 from pdserve.router.config import RouterConfig
-from pdserve.router.convert import load_to_dict
-from pdserve.router.grpc_auth import open_channel, secret_metadata
 
 log = logging.getLogger(__name__)
 

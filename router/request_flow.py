@@ -21,9 +21,9 @@ import grpc
 
 from pdserve.engine.stop import TextStream
 from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto.rpc import sampling_to_proto
 from pdserve.router.attempt import Attempt, LegFailure
 from pdserve.router.config import RouterConfig
-from pdserve.router.convert import sampling_to_proto
 from pdserve.router.disagg import DisaggDecision, DisaggPolicy
 from pdserve.router.errors import InvalidRequest, NoWorkers, RequestTimeout, UpstreamFailed
 from pdserve.router.events import FlowEvent

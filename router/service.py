@@ -12,10 +12,9 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
-from pdserve.router.convert import sampling_dict_from_proto
+from pdserve.proto.rpc import AuthInterceptor, add_port, api_key_check, sampling_dict_from_proto
 from pdserve.router.core import RouterCore
 from pdserve.router.errors import InvalidRequest, RouterError
-from pdserve.router.grpc_auth import AuthInterceptor, add_port, api_key_check
 
 log = logging.getLogger(__name__)
 

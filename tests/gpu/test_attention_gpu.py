@@ -10,13 +10,7 @@ import os
 
 import pytest
 import torch
-from pdserve.bench.periodic_model import (
-    continuation,
-    greedy_cases,
-    periodic_config,
-    periodic_hf_model,
-    periodic_model,
-)
+
 from pdserve.bench.gpu_harness import (
     PagedSeqs,
     confident_agreement,
@@ -27,7 +21,13 @@ from pdserve.bench.gpu_harness import (
     rel_diff,
     small_config,
 )
-
+from pdserve.bench.periodic_model import (
+    continuation,
+    greedy_cases,
+    periodic_config,
+    periodic_hf_model,
+    periodic_model,
+)
 from pdserve.engine.kv_pool import KVPool
 
 pytestmark = [

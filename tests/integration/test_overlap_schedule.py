@@ -75,14 +75,14 @@ def test_overlap_matches_synchronous_decode(tiny_model_dir, stop_id: int, num_pa
 def test_overlap_abort_mid_flight_releases_everything(tiny_model_dir, stop_tok: int):
     llm = LLM(model=tiny_model_dir, num_pages=64, page_size=4, max_running=4)
     llm.scheduler.overlap = OverlapDecoder(llm.scheduler)
-    from pdserve.engine.req import Req
+    from pdserve.engine.llm import OfflineReq
     from pdserve.engine.stop import TextStream
 
     sched = llm.scheduler
     sp = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
-    reqs = [Req(f"r{i}", p, sp) for i, p in enumerate(PROMPTS[:3])]
+    reqs = [OfflineReq(f"r{i}", p, sp, stream=TextStream.from_params(llm.tokenizer, sp, (), p))
+            for i, p in enumerate(PROMPTS[:3])]
     for r in reqs:
-        r.user = TextStream.from_params(llm.tokenizer, sp, (), r.input_ids)
         sched.add(r)
     for _ in range(6):  # prefill, then decode steps with one in flight
         sched.step()

@@ -79,8 +79,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
             self.fail_prefill -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "injected prefill failure")
         return pb.PrefillResponse(
-            request_id=request.request_id, first=pb.TokenChunk(token_ids=self.tokens[:1]),
-            cached_tokens=self.cached_tokens,
+            request_id=request.request_id, cached_tokens=self.cached_tokens,
             timings=pb.StageTimings(queue_ms=1.0, bootstrap_ms=2.0, prefill_ms=3.0))
 
     async def Decode(self, request, context):

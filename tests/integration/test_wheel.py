@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("router", "prefill", "decode", "kvtransfer", "kernels", "engine", "proto", "bench",
-           "pdserve")
+           "worker", "pdserve")
 
 
 def _expected() -> set[str]:

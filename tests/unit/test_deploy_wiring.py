@@ -21,9 +21,10 @@ def _parser(role: str):
         from pdserve.router.main import build_parser
 
         return build_parser()
-    from pdserve.engine.worker_main import parser
+    from pdserve.kvtransfer.config import add_transfer_args
+    from pdserve.worker.main import parser
 
-    return parser(role)
+    return parser(role, add_transfer_args)
 
 
 def _env(container: dict, config: dict[str, str]) -> dict[str, str]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.proto.rpc import api_key_check, secret_check
 from pdserve.router.config import RouterConfig
 from pdserve.router.disagg import DisaggPolicy
-from pdserve.router.grpc_auth import api_key_check, secret_check
 from pdserve.router.registry import WorkerEntry
 
 

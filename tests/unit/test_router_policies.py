@@ -8,8 +8,8 @@ import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto.rpc import sampling_from_proto, sampling_to_proto
 from pdserve.router.config import RouterConfig
-from pdserve.router.convert import sampling_from_proto, sampling_to_proto
 from pdserve.router.policies import CacheAware, LeastLoad, PowerOfTwo, RoundRobin
 from pdserve.router.registry import WorkerEntry
 

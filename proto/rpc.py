@@ -1,18 +1,27 @@
-"""gRPC security shared by the router and the workers: API keys, the cluster secret, TLS.
+"""What the router and the workers share on the wire besides the generated messages.
 
+Security (API keys, the cluster secret, TLS):
 - Clients of the Router service send `authorization: Bearer KEY` (like vLLM's `--api-key`).
 - The router sends the cluster (registration) secret to workers as `x-pdserve-secret` on every
   Worker RPC; workers started with a secret refuse calls without it (UNAUTHENTICATED).
 - grpc.health.v1 and reflection stay open: probes and tooling need no key.
 - TLS: servers given a certificate and key listen with TLS; clients given a CA file verify it.
+
+Conversions: `SamplingParams`, token chunks and worker load to and from their protobuf forms.
 """
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.proto import pdserve_pb2 as pb
+
+# ---- security ---------------------------------------------------------------------------------
 
 SECRET_KEY = "x-pdserve-secret"
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -119,3 +128,79 @@ def open_channel(addr: str, ca_file: str | None = None,
         creds = grpc.ssl_channel_credentials(root_certificates=_read(ca_file, "tls_ca_file"))
         return grpc.aio.secure_channel(addr, creds, options=list(options))
     return grpc.aio.insecure_channel(addr, options=list(options))
+
+
+# ---- conversions ------------------------------------------------------------------------------
+
+# Proto fields declared `optional` (their proto zero is not the default): copied only when set.
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs",
+             "skip_special_tokens")
+_PLAIN = ("min_tokens", "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos")
+
+
+def sampling_to_proto(sp: SamplingParams) -> pb.SamplingParams:
+    """Full wire form: every field is written, so the worker sees exactly these values."""
+    msg = pb.SamplingParams(
+        min_tokens=sp.min_tokens, top_k=sp.top_k, min_p=sp.min_p,
+        frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
+        stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+        max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+        repetition_penalty=sp.repetition_penalty, skip_special_tokens=sp.skip_special_tokens,
+    )
+    if sp.seed is not None:
+        msg.seed = sp.seed
+    if sp.logprobs is not None:
+        msg.logprobs = sp.logprobs
+    return msg
+
+
+def sampling_dict_from_proto(msg: pb.SamplingParams) -> dict[str, Any]:
+    """Fields the sender set, as a dict (unset `optional` fields keep SamplingParams defaults).
+
+    Floats are rounded to 6 significant digits: proto floats are 32-bit, and 0.9 must stay 0.9.
+    """
+    out: dict[str, Any] = {}
+    for name in _OPTIONAL:
+        if msg.HasField(name):
+            out[name] = getattr(msg, name)
+    for name in _PLAIN:
+        out[name] = getattr(msg, name)
+    if msg.stop:
+        out["stop"] = tuple(msg.stop)
+    if msg.stop_token_ids:
+        out["stop_token_ids"] = tuple(msg.stop_token_ids)
+    if "top_k" in out and out["top_k"] == 0:
+        out["top_k"] = -1
+    for key, value in out.items():
+        if isinstance(value, float):
+            out[key] = float(f"{value:.6g}")
+    return out
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Raises ValueError naming the field when a value is out of range."""
+    return SamplingParams.from_dict(sampling_dict_from_proto(msg))
+
+
+_LOAD_FIELDS = ("num_running", "num_waiting", "num_inflight", "kv_pages_total", "kv_pages_free",
+                "kv_pages_cached", "kv_pages_in_use")
+
+
+def load_to_dict(load: pb.WorkerLoad) -> dict[str, int]:
+    return {name: getattr(load, name) for name in _LOAD_FIELDS}
+
+
+def load_from_dict(snapshot: dict[str, Any]) -> pb.WorkerLoad:
+    """A scheduler's snapshot (missing fields are 0) as a WorkerLoad."""
+    return pb.WorkerLoad(**{name: int(snapshot.get(name, 0)) for name in _LOAD_FIELDS})
+
+
+def token_chunk(token_ids: Sequence[int], logprobs: Sequence[float] = (),
+                top_logprobs: Sequence[tuple[Sequence[int], Sequence[float]]] = ()
+                ) -> pb.TokenChunk:
+    """The one place a TokenChunk is built: one logprob per token when logprobs were asked
+    for, one (ids, logprobs) list of alternatives per token when top logprobs were."""
+    chunk = pb.TokenChunk(token_ids=token_ids, logprobs=logprobs)
+    for ids, lps in top_logprobs:
+        chunk.top_logprobs.add(token_ids=ids, logprobs=lps)
+    return chunk

@@ -1,36 +1,47 @@
-"""Base of the Worker gRPC servicers: Status, Abort, and the request registry by room."""
+"""Base of the Worker gRPC servicers: request admission, Status, Abort, the registry by room.
+
+A role's servicer (prefill/server.py, decode/server.py) validates a request once
+(`accept`), builds its role's Req with a ReqChannel as the event sink, hands it to the scheduler
+thread (`submit_add`) and turns the typed events it gets back into RPC answers.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 
 import grpc
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler_thread import SchedulerThread
-from pdserve.engine.worker_common import (
-    BadRequest,
-    check_input_ids,
-    load_message,
-    sampling_from_wire,
-)
+from pdserve.engine.req import Req
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.proto.rpc import load_from_dict, token_chunk
+from pdserve.worker.events import ErrorEvent, EventSink, StageTimes, TokenOutput
+from pdserve.worker.scheduler_thread import SchedulerThread
+from pdserve.worker.validate import BadRequest, ValidRequest, validate_request
+
+
+def chunk_of(tokens: TokenOutput) -> pb.TokenChunk:
+    return token_chunk(tokens.token_ids, tokens.logprobs, tokens.top_logprobs)
+
+
+def timings_of(times: StageTimes) -> pb.StageTimings:
+    return pb.StageTimings(**dataclasses.asdict(times))
 
 
 class WorkerServiceBase(pb_grpc.WorkerServicer):
     role = "worker"
 
     def __init__(self, thread: SchedulerThread, model_config, memory, model_name: str,
-                 transfer_backend: str = "") -> None:
+                 transfer_backend: str = "", bootstrap_addr: str = "") -> None:
         self.thread = thread
         self.model_config = model_config
         self.memory = memory
         self.model_name = model_name
         self.transfer_backend = transfer_backend
         self.address = ""
-        self.bootstrap_addr = ""
+        self.bootstrap_addr = bootstrap_addr
         self.draining = False
         self.worker_id = f"{self.role}-{secrets.token_hex(4)}"
         self.rid_by_room: dict[int, str] = {}
@@ -39,28 +50,25 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    async def accept(self, request, context, room_error: str | None
-                     ) -> tuple[str, list[int], SamplingParams]:
+    async def accept(self, request: pb.PrefillRequest | pb.DecodeRequest,
+                     context: grpc.aio.ServicerContext, room_error: str | None
+                     ) -> tuple[str, ValidRequest]:
         """Validate a Prefill/Decode request and claim its (request id, room).
 
         `room_error`: the message when the request needs a room and has none (None: no room
         needed). Aborts the call with INVALID_ARGUMENT / ALREADY_EXISTS / UNAVAILABLE.
         """
         await self.check_serving(context)
-        vocab = self.model_config.vocab_size
         try:
-            sp = sampling_from_wire(request.sampling, vocab)
-            ids = list(request.input_ids)
-            check_input_ids(ids, vocab, self.memory.max_context_len, sp.max_tokens)
-            if room_error is not None and request.room == 0:
-                raise BadRequest(room_error)
+            valid = validate_request(request, self.model_config.vocab_size,
+                                     self.memory.max_context_len, room_error)
         except BadRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             rid = self.enter(request.request_id, request.room)
         except ValueError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        return rid, ids, sp
+        return rid, valid
 
     def enter(self, request_id: str, room: int) -> str:
         """Register an arriving request; returns its internal id. A retried request reuses
@@ -83,6 +91,22 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
         if self.rid_by_request.get(request_id) == rid:
             del self.rid_by_request[request_id]
 
+    def submit_add(self, req: Req, sink: EventSink) -> None:
+        """Queue `req` on the scheduler thread; a refusal there ends its events with an error."""
+        sched = self.thread.scheduler
+
+        def add() -> None:
+            try:
+                sched.add(req)
+            except (ValueError, RuntimeError, OSError) as e:
+                sink.put(ErrorEvent(f"rejected: {e}"))
+
+        self.thread.submit(add)
+
+    def submit_abort(self, rid: str, reason: str) -> None:
+        sched = self.thread.scheduler
+        self.thread.submit(lambda: sched.abort(rid, reason))
+
     def info(self) -> pb.WorkerInfo:
         return pb.WorkerInfo(
             worker_id=self.worker_id, role=self.role, address=self.address,
@@ -92,11 +116,7 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
             transfer_backend=self.transfer_backend)
 
     def load(self) -> pb.WorkerLoad:
-        return load_message(self.thread.snapshot)
-
-    def submit_abort(self, rid: str, reason: str) -> None:
-        sched = self.thread.scheduler
-        self.thread.submit(lambda: sched.abort(rid, reason))
+        return load_from_dict(self.thread.snapshot)
 
     async def check_serving(self, context: grpc.aio.ServicerContext) -> None:
         if self.draining:

@@ -1,0 +1,148 @@
+"""The worker process all roles share: flags, the gRPC server, router registration, drain.
+
+A role (prefill/main.py, decode/main.py) adds its own flags and supplies `build`, which makes
+its engine, scheduler thread and servicer; `run` does the rest. The process prints one line
+`worker ready role=R grpc=HOST:PORT bootstrap=HOST:PORT` once it serves. SIGTERM/SIGINT drains:
+new requests are refused, in-flight ones finish (up to --drain-timeout), the worker deregisters
+from its router and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from grpc_health.v1 import health_pb2
+
+from pdserve.engine.config import CacheConfig, SchedulerConfig
+from pdserve.engine.engine import EngineConfig
+from pdserve.worker.router_link import RouterLink
+from pdserve.worker.scheduler_thread import SchedulerThread
+from pdserve.worker.server import install_signal_handlers, set_health, start_grpc_server
+from pdserve.worker.service import WorkerServiceBase
+
+log = logging.getLogger("pdserve.worker")
+
+
+@dataclass
+class WorkerParts:
+    """What a role's `build` returns: the servicer, its scheduler thread, and what to close
+    (in order) once the worker stopped."""
+
+    service: WorkerServiceBase
+    thread: SchedulerThread
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+
+Build = Callable[[argparse.Namespace, EngineConfig], WorkerParts]
+
+
+def parser(role: str, add_role_args: Callable[[argparse.ArgumentParser], None] | None = None
+           ) -> argparse.ArgumentParser:
+    cache, sched, eng = CacheConfig, SchedulerConfig, EngineConfig
+    p = argparse.ArgumentParser(prog=f"pdserve {role}", description=f"Run a {role} worker.")
+    p.add_argument("--model", default=eng.model, help="HF directory or .gguf (default: SmolLM2)")
+    p.add_argument("--device", default=eng.device)
+    p.add_argument("--dtype", default=eng.dtype)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = a free one)")
+    p.add_argument("--page-size", type=int, default=cache.page_size)
+    p.add_argument("--num-pages", type=int, default=cache.num_pages)
+    p.add_argument("--mem-fraction", type=float, default=cache.mem_fraction)
+    p.add_argument("--max-running", type=int, default=sched.max_running)
+    p.add_argument("--max-context-len", type=int, default=cache.max_context_len)
+    p.add_argument("--chunked-prefill-size", type=int, default=sched.chunked_prefill_size)
+    p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--attention-backend", default=eng.attention_backend)
+    p.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly (CUDA)")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read each decode step's tokens back before launching the next (CUDA)")
+    p.add_argument("--router", default=None, help="router gRPC address to register with")
+    p.add_argument("--registration-secret", default="",
+                   help="cluster secret: presented to the router, and required (metadata "
+                        "x-pdserve-secret) on every Worker RPC")
+    p.add_argument("--tls-cert", default=None, help="gRPC server certificate (PEM): enables TLS")
+    p.add_argument("--tls-key", default=None, help="gRPC server private key (PEM)")
+    p.add_argument("--tls-ca", default=None, help="CA (PEM) to verify a TLS router with")
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0 = torch's default); `pdserve up` splits the cores")
+    p.add_argument("--log-level", default="WARNING")
+    if add_role_args is not None:
+        add_role_args(p)
+    return p
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype,
+        attention_backend=args.attention_backend, disable_radix_cache=args.disable_radix_cache,
+        disable_cuda_graph=args.disable_cuda_graph,
+        # Request slots: running requests plus those still in transfer or in the queues.
+        cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages,
+                          mem_fraction=args.mem_fraction, max_reqs=args.max_running * 2 + 8,
+                          max_context_len=args.max_context_len),
+        scheduler=SchedulerConfig(max_running=args.max_running,
+                                  chunked_prefill_size=args.chunked_prefill_size,
+                                  overlap_schedule=not args.disable_overlap_schedule))
+
+
+async def _serve(role: str, args: argparse.Namespace, build: Build) -> int:
+    parts = build(args, engine_config(args))
+    service, thread = parts.service, parts.thread
+    thread.start()
+    server, port, health = await start_grpc_server(
+        service, args.host, args.port, args.registration_secret or None, args.tls_cert,
+        args.tls_key)
+    service.address = f"{args.host}:{port}"
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    link = None
+    if args.router:
+        link = RouterLink(args.router, service.info, service.load, args.registration_secret,
+                          args.tls_ca)
+        await link.start()
+    print(f"worker ready role={role} grpc={service.address} "
+          f"bootstrap={service.bootstrap_addr or '-'} id={service.worker_id}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        service.draining = True
+        if link is not None:
+            link.draining = True
+        await set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await service.wait_idle(args.drain_timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + args.drain_timeout
+        while thread.scheduler.has_work and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if link is not None:
+            await link.deregister()
+        await server.stop(grace=1.0)
+        thread.stop()
+        for close in parts.closers:
+            try:
+                close()
+            except Exception:  # shutdown continues; every resource gets its chance
+                log.exception("close failed")
+    return 0
+
+
+def run(role: str, argv: list[str] | None, build: Build,
+        add_role_args: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+    args = parser(role, add_role_args).parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        return asyncio.run(_serve(role, args, build))
+    except (ValueError, OSError) as e:
+        print(f"pdserve {role}: error: {e}", file=sys.stderr)
+        return 2
