@@ -4,7 +4,8 @@ the random-weight Llama-3-8B-shaped model: ms per step with overlap on and off, 
 of a third, overlapped run (functions by own time and by cumulative time). When the host needs
 longer per step than the GPU, overlap cannot hide it: this says where that time goes.
 
-usage: python3 -P -m pdserve.bench.gpu_loop_profile [--backend flashinfer] [--batches 1,64] [--steps 48]
+usage: python3 -P -m pdserve.bench.gpu_loop_profile [--backend flashinfer] [--batches 1,64]
+         [--steps 48]
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from pdserve.envs import envs
+
 # subcommand -> (module, help). Each module exposes `main(argv: list[str]) -> int`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("pdserve.launcher", "start router + prefill + decode workers on this machine"),
@@ -42,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     name = args[0]
     if name not in SUBCOMMANDS:
         print(f"pdserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    try:
+        envs()  # a malformed PDSERVE_* switch stops the process here, not mid-request
+    except ValueError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
     return int(module.main(args[1:]) or 0)

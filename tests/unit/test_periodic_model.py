@@ -5,6 +5,7 @@ its patterns, and their logits agree."""
 from __future__ import annotations
 
 import torch
+
 from pdserve.bench.periodic_model import (
     continuation,
     greedy_cases,
@@ -16,7 +17,6 @@ from pdserve.bench.periodic_model import (
 
 def _greedy(model, prompts: list[list[int]], steps: int) -> list[list[int]]:  # noqa: ANN001
     from pdserve.bench.gpu_harness import PagedSeqs, eager_step, greedy_run
-
     from pdserve.engine.attention.torch_backend import TorchAttentionBackend
     from pdserve.engine.kv_pool import KVPool
 
