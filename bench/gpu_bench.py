@@ -9,7 +9,7 @@ Every section is independent: a failure is reported and the rest still runs. Pri
 last; with $OUT set, writes JSON lines to $OUT/gpu_bench.jsonl.
 
 usage: python3 -P -m pdserve.bench.gpu_bench [--quick] [--skip-flashinfer]
-           [--backends flashinfer,triton]
+         [--backends flashinfer,triton]
 """
 
 from __future__ import annotations
@@ -306,6 +306,10 @@ class Bench:
         self._fusion_ab(name, backend, fbs, iters)
         self._gemm_choices(name, backend, fbs, iters)
 
+    def fusion_toggle(self, switch: str) -> Callable[[bool], AbstractContextManager[None]]:
+        """`toggle(on)`: the model's fused path `switch` on or off inside a block."""
+        return lambda on: self.model.fusion.override(**{switch: on})
+
     def layout(self, column_major: bool) -> None:
         from pdserve.engine.models.layers import set_weight_layout
 
@@ -316,7 +320,6 @@ class Bench:
         of cuBLASLt, and at batch 1 without the GEMV kernels (kernels/gemv.py), as ratios
         against column-major weights, cuBLASLt, GEMV at batch 1."""
         from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
-        from pdserve.engine.models.fused import decode_gemv
 
         batches = [b for b in self.batches if b <= 64]
         times: dict[tuple[bool, str, bool], dict[int, float]] = {}
@@ -324,7 +327,7 @@ class Bench:
                                          (True, "cublas", True), (True, "cublaslt", False),
                                          (False, "cublaslt", False)):
             self.layout(column_major)
-            with decode_gemv(gemv):
+            with self.model.fusion.override(decode_gemv=gemv):
                 runner = CudaGraphDecodeRunner(self.model, self.pool, backend, max(batches),
                                                blas)
                 runner.capture()
@@ -354,14 +357,14 @@ class Bench:
         flashinfer backend with our Triton decode attention against FlashInfer's BatchDecode;
         alternating runs."""
         from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
-        from pdserve.engine.models.fused import gemm_silu, residual_gemm, rope_store
 
         batches = [b for b in self.batches if b >= 64]
         if not batches:
             return
-        toggles = [("GEMM+SiLU", "cuBLAS+SiLU", gemm_silu),
-                   ("RoPE+store", "RoPE, store", rope_store),
-                   ("residual add in GEMM", "residual add in norm", residual_gemm)]
+        toggles = [("GEMM+SiLU", "cuBLAS+SiLU", self.fusion_toggle("gemm_silu")),
+                   ("RoPE+store", "RoPE, store", self.fusion_toggle("rope_store")),
+                   ("residual add in GEMM", "residual add in norm",
+                    self.fusion_toggle("residual_gemm"))]
         if hasattr(backend, "flashinfer_decode_only"):  # flashinfer: whose decode kernel
 
             @contextmanager
@@ -398,9 +401,8 @@ class Bench:
     def _unfused_decode(self, name: str, backend, fb, iters: int, fused_s: float) -> None:  # noqa: ANN001
         """The same bs=1 CUDA-graph step with RMSNorm/residual, RoPE and SiLU-mul as plain torch."""
         from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
-        from pdserve.engine.models.fused import fused_ops
 
-        with fused_ops(False):
+        with self.model.fusion.override(ops=False):
             runner = CudaGraphDecodeRunner(self.model, self.pool, backend, 1)
             runner.capture()
         sec = timed(lambda: runner.replay(fb).argmax(-1), iters)
@@ -423,8 +425,6 @@ class Bench:
             backend.init_forward(fb)
             self.model(fb)
 
-        from pdserve.engine.models.fused import fused_ops
-
         iters = 5 if self.args.quick else 10
         for _ in range(2):  # warm-up (a first FlashInfer JIT build) outside the sampling
             run()
@@ -446,19 +446,19 @@ class Bench:
         if self.rate:
             self.rec(f"prefill {name}", "prefill rate / burst matmul rate", round(
                 rate / self.rate, 3), "", burst_tflops=round(self.rate / 1e12, 1))
-        with fused_ops(False):
+        with self.model.fusion.override(ops=False):
             plain = timed(run, 3, warmup=1)
         self.rec(f"prefill {name}", "torch-ops / fused-ops prefill time", round(plain / sec, 3),
                  "x", torch_ops_ms=round(plain * 1e3, 2))
         from pdserve.engine.cuda_graph import preferred_blas
-        from pdserve.engine.models.fused import gemm_silu, residual_gemm
 
         def cublaslt(on: bool) -> AbstractContextManager[None]:
             return preferred_blas("cublaslt" if on else "cublas")
 
-        for label, off_label, toggle in (("GEMM+SiLU", "cuBLAS+SiLU", gemm_silu),
+        for label, off_label, toggle in (("GEMM+SiLU", "cuBLAS+SiLU",
+                                          self.fusion_toggle("gemm_silu")),
                                          ("residual add in GEMM", "residual add in norm",
-                                          residual_gemm),
+                                          self.fusion_toggle("residual_gemm")),
                                          ("cuBLASLt", "cuBLAS", cublaslt)):
             def measure(on: bool, toggle=toggle) -> float:  # noqa: ANN001
                 with toggle(on):
@@ -513,7 +513,7 @@ class Bench:
 
     def _correctness(self, names: list[str], variant: str) -> None:
         from pdserve.engine.attention.torch_backend import TorchAttentionBackend
-        from pdserve.engine.models.fused import fused_ops
+        from pdserve.engine.models.fused import Fusion
         from pdserve.engine.models.llama import LlamaForCausalLM
 
         steps = 16 if self.args.quick else 64
@@ -522,20 +522,20 @@ class Bench:
         prompts = [torch.randint(0, self.cfg.vocab_size, (n,), generator=gen).tolist()
                    for n in lens]
         model = self.model
-        with fused_ops(False):  # the reference: plain torch everywhere
+        with model.fusion.override(ops=False):  # the reference: plain torch everywhere
             ref_seqs = PagedSeqs(self.pool, TorchAttentionBackend(), seed=3)
             ref_toks, ref_logits = greedy_run(model, ref_seqs, prompts, steps, eager_step(model))
         forced = [t[:-1] for t in ref_toks]
         with torch.no_grad():  # fp32 copy of the same weights, teacher-forced on the same tokens
-            m32 = LlamaForCausalLM(self.cfg, dtype=torch.float32, device="cuda").eval()
+            m32 = LlamaForCausalLM(self.cfg, dtype=torch.float32, device="cuda",
+                                   fusion=Fusion(ops=False)).eval()
             for a, b in zip(m32.parameters(), model.parameters()):
                 a.copy_(b)
         pages = sum(-(-(n + steps + 1) // 16) for n in lens) + 64
         pool32 = KVPool(pages, self.cfg.num_layers, 16, self.cfg.num_kv_heads,
                         self.cfg.head_dim, torch.float32, "cuda")
-        with fused_ops(False):
-            _, logits32 = greedy_run(m32, PagedSeqs(pool32, TorchAttentionBackend(), seed=6),
-                                     prompts, steps, eager_step(m32), forced)
+        _, logits32 = greedy_run(m32, PagedSeqs(pool32, TorchAttentionBackend(), seed=6),
+                                 prompts, steps, eager_step(m32), forced)
         del m32, pool32
         floor = max(rel_diff(x, r) for x, r in zip(ref_logits, logits32))
         self.rec(f"correct ref {variant}", "bf16 torch reference vs fp32: max rel. norm diff",

@@ -6,7 +6,7 @@ our SiLU-mul kernel. Weights are cycled through enough copies that L2 never hold
 call inside a CUDA graph. Prints one JSON row per measurement (also to $OUT/kernel_choices.jsonl).
 
 usage: python3 -P -m pdserve.bench.gpu_gemm_choices [--m 64,256,4096]
-           [--shapes qkv,o_proj,gate_up,down]
+         [--shapes qkv,o_proj,gate_up,down]
 """
 
 from __future__ import annotations

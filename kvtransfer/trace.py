@@ -3,16 +3,15 @@
 `PDSERVE_KV_TRACE=1` makes both sides print `kvtrace <stage> <room> <monotonic s>` lines to
 stderr (CLOCK_MONOTONIC is host-wide, so a prefill and a decode process on one host compare);
 `pdserve kvtrace LOG` prints the median time between stages, e.g. after
-`PDSERVE_KV_TRACE=1 pdserve kvbench ... 2> LOG`. Off, a stage costs one boolean test.
+`PDSERVE_KV_TRACE=1 pdserve kvbench ... 2> LOG`. Off, a stage costs one cached lookup.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
-ENABLED = os.environ.get("PDSERVE_KV_TRACE", "") not in ("", "0")
+from pdserve.envs import envs
 
 # In the order a one-sided chunk passes them ("mapped", "uploaded" and "kernel" inside the
 # cuda_ipc write, the last two on its kernel path only).
@@ -21,7 +20,7 @@ STAGES = ("send", "dequeue", "mapped", "uploaded", "kernel", "launched", "notifi
 
 
 def stamp(stage: str, room: int) -> None:
-    if ENABLED:
+    if envs().kv_trace:
         sys.stderr.write(f"kvtrace {stage} {room} {time.monotonic():.6f}\n")
 
 
@@ -50,7 +49,7 @@ class GpuTimer:
 
 
 def gpu_timer(stream: object) -> GpuTimer | None:
-    return GpuTimer(stream) if ENABLED else None
+    return GpuTimer(stream) if envs().kv_trace else None
 
 
 def summarize(lines: list[str]) -> dict[str, float]:

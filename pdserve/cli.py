@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from pdserve.envs import envs
+
 # subcommand -> ("module[:function]", help); the function (default `main`) takes the argv
 # after the subcommand and returns the exit status.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -44,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     name = args[0]
     if name not in SUBCOMMANDS:
         print(f"pdserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    try:
+        envs()  # a malformed PDSERVE_* switch stops the process here, not mid-request
+    except ValueError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
         return 2
     module_name, _, func = SUBCOMMANDS[name][0].partition(":")
     entry = getattr(importlib.import_module(module_name), func or "main")

@@ -19,7 +19,7 @@ import uvicorn
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.core import RouterCore
-from pdserve.router.http_app import create_app
+from pdserve.router.http import create_app
 from pdserve.router.service import start_grpc_server
 
 log = logging.getLogger(__name__)

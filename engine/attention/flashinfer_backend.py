@@ -15,9 +15,9 @@ group is >= 4, except where our Triton kernels were faster on an H200 at context
 (kernels/decode_worklist.py; the batch-256 step 1.031x faster than with FlashInfer's decode,
 and it cuts a long sequence among short ones into chunks where FlashInfer's CUDA-graph decode
 took 4x longer). In between FlashInfer decodes (72.4 µs per layer at batch 64 against 75.9 for
-the work list and 87.8 for the split-KV kernel). `PDSERVE_FLASHINFER_DECODE=1` (or
-`flashinfer_decode_only`) gives every decode batch to FlashInfer. FlashInfer picks its FA3
-kernels on Hopper for both prefill wrappers.
+the work list and 87.8 for the split-KV kernel). `flashinfer_decode_only` (default:
+PDSERVE_FLASHINFER_DECODE, pdserve/envs.py) gives every decode batch to FlashInfer. FlashInfer
+picks its FA3 kernels on Hopper for both prefill wrappers.
 
 FlashInfer wants page-level tables: each sequence's token slots are page-aligned
 runs (offset j of a sequence sits at offset j % page_size of its page), so its pages are
@@ -31,13 +31,12 @@ For CUDA graphs, `engine/cuda_graph.py` installs a decode wrapper built with
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.attention.triton_backend import TritonAttentionBackend
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
+from pdserve.envs import envs
 
 WORKSPACE_BYTES = 256 << 20
 SMALL_DECODE_BATCH = 8
@@ -88,7 +87,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._flashinfer = flashinfer
         self._store = store_kv
         self._triton_decode = TritonAttentionBackend(device)
-        self.flashinfer_decode_only = os.environ.get("PDSERVE_FLASHINFER_DECODE") == "1"
+        self.flashinfer_decode_only = envs().flashinfer_decode
         self.device = torch.device(device)
         self.num_heads = num_heads  # known up front, or taken from the first layer's q
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
-from pdserve.engine.models.fused import kernels, use_decode_gemv
+from pdserve.engine.models.fused import kernels
 
 if TYPE_CHECKING:
     from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -31,7 +31,7 @@ def applies(model: LlamaForCausalLM, fb: ForwardBatch) -> bool:
     with row-major matmul weights (the kernels read column-major ones up to 7x slower than
     cuBLAS does, docs/performance.md)."""
     return (fb.mode == ForwardMode.DECODE and fb.num_tokens == 1
-            and use_decode_gemv(model.embed_tokens)
+            and model.fusion.use_decode_gemv(model.embed_tokens)
             and (not model.layers or model.layers[0].mlp.down_proj.stride(-1) == 1))
 
 

@@ -1,36 +1,41 @@
-"""Whether the model's elementwise ops run as fused Triton kernels (kernels/fused_norm.py,
-rope.py, silu_mul.py) or as plain torch, whether a one-token decode step runs through the
-fused matrix-vector kernels (kernels/gemv.py, engine/models/decode_gemv.py), and whether the
-MLP's gate_up projection of SILU_MIN_ROWS or more rows runs through our GEMM with SiLU-mul in
-its epilogue (kernels/gemm.py) instead of cuBLAS followed by the SiLU-mul kernel, and whether a
-decode step's RoPE and KV store are one kernel (kernels/rope.apply_rope_store_;
-PDSERVE_ROPE_STORE=0 or `rope_store(False)`: RoPE, then the backend's store), and whether the
-projections that close a block (o_proj, down_proj) add into the residual stream inside their
-cuBLAS GEMM (`residual.addmm_`, beta = 1; PDSERVE_RESIDUAL_GEMM=0 or `residual_gemm(False)`:
-the add is fused into the next RMSNorm instead, which then reads and writes the stream too).
+"""Which of the model's fused kernel paths run: `Fusion`, one per model, shared by its layers.
 
-Fused on CUDA when Triton imports; plain torch on CPU, with PDSERVE_FUSED_OPS=0, or inside
-`fused_ops(False)` (the torch reference the GPU tests compare against). The batch-1 GEMV path
-additionally needs PDSERVE_DECODE_GEMV unset or 1 and no `decode_gemv(False)`; the GEMM
-PDSERVE_GEMM_SILU unset or 1, no `gemm_silu(False)`, bf16 / fp16, a row-major weight and a
-Hopper or later GPU (TMA). A CUDA graph keeps what was chosen when it was captured.
+- ops: the elementwise ops as Triton kernels (kernels/fused_norm.py, rope.py, silu_mul.py);
+  off, plain torch: the reference the GPU tests and benchmarks compare against. Every other
+  switch needs this one.
+- decode_gemv: a one-token decode step through the fused matrix-vector kernels
+  (kernels/gemv.py, engine/models/decode_gemv.py).
+- gemm_silu: the MLP's gate_up projection of SILU_MIN_ROWS or more rows through our GEMM with
+  SiLU-mul in its epilogue (kernels/gemm.py; bf16 / fp16, row-major weight, Hopper or later for
+  TMA) instead of cuBLAS followed by the SiLU-mul kernel.
+- rope_store: a decode step's RoPE and KV store as one kernel (kernels/rope.apply_rope_store_);
+  off: RoPE, then the attention backend's store.
+- residual_gemm: the projections that close a block (o_proj, down_proj) add into the residual
+  stream inside their cuBLAS GEMM (`residual.addmm_`, beta = 1); off: the add is fused into
+  the next RMSNorm, which then reads and writes the stream too.
+
+The defaults come from the PDSERVE_* switches (pdserve/envs.py). Fused paths run on CUDA
+tensors when Triton imports; `on_cpu` also runs them on CPU tensors (Triton's interpreter, for
+tests). A CUDA graph keeps what was chosen when it was captured.
+
+Why an object owned by the model rather than process-wide flags: the benchmarks and GPU tests
+compare paths on one model with the same weights (`with model.fusion.override(ops=False):`),
+which names the model it changes and cannot leak into another model in the process (the fp32
+copy the benchmark builds takes its own `Fusion`). The layers hold the model's instance, so an
+override on the model reaches all of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import os
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
 
-_enabled = {"ops": os.environ.get("PDSERVE_FUSED_OPS", "1") != "0",
-            "gemv": os.environ.get("PDSERVE_DECODE_GEMV", "1") != "0",
-            "gemm": os.environ.get("PDSERVE_GEMM_SILU", "1") != "0",
-            "rope_store": os.environ.get("PDSERVE_ROPE_STORE", "1") != "0",
-            "residual_gemm": os.environ.get("PDSERVE_RESIDUAL_GEMM", "1") != "0"}
+from pdserve.envs import envs
 
 
 @functools.cache
@@ -52,61 +57,58 @@ def kernels() -> SimpleNamespace | None:
                            gemm_supported=gemm_supported, silu_min_rows=SILU_MIN_ROWS)
 
 
-def use_fused(x: torch.Tensor) -> bool:
-    return _enabled["ops"] and x.is_cuda and kernels() is not None
+@dataclasses.dataclass
+class Fusion:
+    """The fused paths one model may take (see the module docstring for each switch)."""
 
+    ops: bool = True
+    decode_gemv: bool = True
+    gemm_silu: bool = True
+    rope_store: bool = True
+    residual_gemm: bool = True
+    on_cpu: bool = False
 
-def use_decode_gemv(x: torch.Tensor) -> bool:
-    return _enabled["gemv"] and use_fused(x)
+    @classmethod
+    def from_envs(cls) -> Fusion:
+        e = envs()
+        return cls(ops=e.fused_ops, decode_gemv=e.decode_gemv, gemm_silu=e.gemm_silu,
+                   rope_store=e.rope_store, residual_gemm=e.residual_gemm)
 
+    @contextmanager
+    def override(self, **switches: bool) -> Iterator[None]:
+        """Sets the named switches inside the block, restoring them after it."""
+        names = [f.name for f in dataclasses.fields(self)]
+        for name, value in switches.items():
+            if name not in names:
+                raise ValueError(f"{name}: not a Fusion switch (one of {', '.join(names)})")
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}: must be a bool, got {value!r}")
+        saved = {name: getattr(self, name) for name in switches}
+        for name, value in switches.items():
+            setattr(self, name, value)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(self, name, value)
 
-def use_rope_store(x: torch.Tensor) -> bool:
-    return _enabled["rope_store"] and use_fused(x)
+    def use_fused(self, x: torch.Tensor) -> bool:
+        return self.ops and (x.is_cuda or self.on_cpu) and kernels() is not None
 
+    def use_decode_gemv(self, x: torch.Tensor) -> bool:
+        return self.decode_gemv and self.use_fused(x)
 
-def use_residual_gemm(x: torch.Tensor) -> bool:
-    return _enabled["residual_gemm"] and use_fused(x)
+    def use_rope_store(self, x: torch.Tensor) -> bool:
+        return self.rope_store and self.use_fused(x)
 
+    def use_residual_gemm(self, x: torch.Tensor) -> bool:
+        return self.residual_gemm and self.use_fused(x)
 
-def use_gemm_silu(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether gate_up(x) + SiLU-mul runs through kernels/gemm.py (x [T, K], w [2I, K]; TMA
-    wants 16-byte aligned rows)."""
-    return (_enabled["gemm"] and use_fused(x) and x.dim() == 2
-            and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
-            and x.shape[0] >= kernels().silu_min_rows and kernels().gemm_supported(x.device)
-            and x.stride(-1) == 1 and w.stride(-1) == 1
-            and x.shape[1] % 8 == 0 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
-
-
-@contextmanager
-def _override(name: str, enabled: bool) -> Iterator[None]:
-    saved, _enabled[name] = _enabled[name], enabled
-    try:
-        yield
-    finally:
-        _enabled[name] = saved
-
-
-def fused_ops(enabled: bool) -> AbstractContextManager[None]:
-    """All fused kernels on or off (off: the plain-torch reference)."""
-    return _override("ops", enabled)
-
-
-def decode_gemv(enabled: bool) -> AbstractContextManager[None]:
-    """The batch-1 fused GEMV decode path on or off (off: cuBLAS and the separate kernels)."""
-    return _override("gemv", enabled)
-
-
-def gemm_silu(enabled: bool) -> AbstractContextManager[None]:
-    """The MLP's GEMM with SiLU-mul in its epilogue on or off (off: cuBLAS + SiLU-mul kernel)."""
-    return _override("gemm", enabled)
-
-
-def rope_store(enabled: bool) -> AbstractContextManager[None]:
-    """A decode step's RoPE + KV store as one kernel on or off."""
-    return _override("rope_store", enabled)
-
-
-def residual_gemm(enabled: bool) -> AbstractContextManager[None]:
-    """The residual add inside the closing projections' GEMMs on or off (off: in the norms)."""
-    return _override("residual_gemm", enabled)
+    def use_gemm_silu(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether gate_up(x) + SiLU-mul runs through kernels/gemm.py (x [T, K], w [2I, K];
+        TMA wants 16-byte aligned rows)."""
+        return (self.gemm_silu and self.use_fused(x) and x.dim() == 2
+                and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+                and x.shape[0] >= kernels().silu_min_rows and kernels().gemm_supported(x.device)
+                and x.stride(-1) == 1 and w.stride(-1) == 1
+                and x.shape[1] % 8 == 0 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)

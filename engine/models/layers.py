@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.models.fused import kernels, use_fused, use_gemm_silu
+from pdserve.engine.models.fused import Fusion, kernels
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -38,17 +38,19 @@ def set_weight_layout(weights: Iterable[nn.Parameter], column_major: bool) -> No
 
 class RMSNorm(nn.Module):
     def __init__(
-        self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str | None
+        self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str | None,
+        fusion: Fusion,
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.fusion = fusion
         self.weight = empty_param(size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with `residual`, (norm(x + residual), x + residual): the add that closes a
         block fused with the norm that opens the next (in place on `residual` when fused)."""
-        if use_fused(x):
+        if self.fusion.use_fused(x):
             return kernels().rmsnorm(x, self.weight, self.eps, residual)
         s = x if residual is None else x + residual
         # Normalise in fp32 and cast back before the weight multiply: the order HF uses, so
@@ -64,10 +66,11 @@ class SwiGLUMLP(nn.Module):
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-        device: torch.device | str | None,
+        device: torch.device | str | None, fusion: Fusion,
     ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.fusion = fusion
         self.gate_up_proj = empty_param(2 * intermediate_size, hidden_size, dtype=dtype,
                                         device=device)
         self.down_proj = empty_param(hidden_size, intermediate_size, dtype=dtype, device=device)
@@ -75,11 +78,11 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's output; with `residual`, added into it in place by the down projection's
         GEMM (and `residual` returned)."""
-        if use_gemm_silu(x, self.gate_up_proj):
+        if self.fusion.use_gemm_silu(x, self.gate_up_proj):
             act = kernels().gemm(x, self.gate_up_proj, silu_mul=True)
         else:
             gate_up = F.linear(x, self.gate_up_proj)
-            if use_fused(gate_up):
+            if self.fusion.use_fused(gate_up):
                 act = kernels().silu_mul(gate_up)
             else:
                 gate, up = gate_up.split(self.intermediate_size, dim=-1)

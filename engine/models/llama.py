@@ -17,7 +17,7 @@ from torch import nn
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 from pdserve.engine.models import decode_gemv
-from pdserve.engine.models.fused import kernels, use_fused, use_residual_gemm, use_rope_store
+from pdserve.engine.models.fused import Fusion, kernels
 from pdserve.engine.models.layers import RMSNorm, SwiGLUMLP, empty_param, linear_into
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rope
 
@@ -27,9 +27,11 @@ Device = torch.device | str | None
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device: Device):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device: Device,
+                 fusion: Fusion):
         super().__init__()
         self.layer_id = layer_id
+        self.fusion = fusion
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -54,13 +56,13 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if fb.mode == ForwardMode.DECODE and use_rope_store(x):
+        if fb.mode == ForwardMode.DECODE and self.fusion.use_rope_store(x):
             # RoPE and the KV store in one launch; attention then reads K/V from the pool only.
             pool = fb.kv_pool
             kernels().apply_rope_store_(q, k, v, cos, sin, pool.k_view(self.layer_id),
                                         pool.v_view(self.layer_id), fb.out_cache_loc)
             k = v = None
-        elif use_fused(x):
+        elif self.fusion.use_fused(x):
             kernels().apply_rope_qk_(q, k, cos, sin)  # in place, on the qkv output
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -69,12 +71,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device: Device):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, device: Device,
+                 fusion: Fusion):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, layer_id, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        self.fusion = fusion
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, fusion)
+        self.self_attn = LlamaAttention(cfg, layer_id, dtype, device, fusion)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, fusion)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, fusion)
 
     def forward(
         self, x: torch.Tensor | None, residual: torch.Tensor | None, cos: torch.Tensor,
@@ -82,7 +87,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(block output, residual stream before it is added): each block's closing residual
         add is done by the next norm, fused with it. Where the closing projections add into
-        the stream in their GEMMs (`use_residual_gemm`), (None, the stream with it added).
+        the stream in their GEMMs (`Fusion.use_residual_gemm`), (None, the stream with it added).
         x is None when the layer before returned so; residual is None in the first layer."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
@@ -90,7 +95,7 @@ class LlamaDecoderLayer(nn.Module):
             h = self.input_layernorm(residual)
         else:
             h, residual = self.input_layernorm(x, residual)
-        if use_residual_gemm(h):
+        if self.fusion.use_residual_gemm(h):
             self.self_attn(h, cos, sin, fb, residual)
             self.mlp(self.post_attention_layernorm(residual), residual)
             return None, residual
@@ -99,20 +104,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """`forward(fb)` -> fp32 logits [B, vocab] of the last new token of each sequence."""
+    """`forward(fb)` -> fp32 logits [B, vocab] of the last new token of each sequence.
+    `fusion`: which fused kernel paths it takes (default: the PDSERVE_* switches)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: Device = None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: Device = None,
+                 fusion: Fusion | None = None):
         super().__init__()
         if cfg.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture: unsupported {cfg.architecture!r} "
                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         self.config = cfg
+        self.fusion = Fusion.from_envs() if fusion is None else fusion
         self.embed_tokens = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                         device=device)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            LlamaDecoderLayer(cfg, i, dtype, device, self.fusion) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, self.fusion)
         # Tied: the output head is the embedding matrix itself (one tensor, one copy).
         self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings else
                         empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
@@ -125,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
             return decode_gemv.forward(self, fb)
         h = F.embedding(fb.input_ids, self.embed_tokens)
         # One cos/sin per forward, shared by every layer.
-        if use_fused(h):
+        if self.fusion.use_fused(h):
             cos, sin = self.rotary.cos_sin_half(fb.positions)
         else:
             cos, sin = self.rotary.cos_sin(fb.positions, h.dtype)

@@ -6,8 +6,6 @@ against the torch reference on a small random model, and CUDA-graph decode again
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -29,6 +27,7 @@ from pdserve.bench.periodic_model import (
     periodic_model,
 )
 from pdserve.engine.kv_pool import KVPool
+from pdserve.envs import envs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,7 +42,7 @@ BACKENDS = ["triton", "triton-worklist", "flashinfer", "flashinfer-decode"]
 
 def _backend(name: str, num_heads: int):
     if name.startswith("flashinfer"):
-        if os.environ.get("PDSERVE_SKIP_FLASHINFER"):
+        if envs().skip_flashinfer:
             pytest.skip("PDSERVE_SKIP_FLASHINFER set")
         pytest.importorskip("flashinfer")
     from pdserve.engine.model_runner import default_attention_backend
@@ -269,12 +268,11 @@ def test_batch1_gemv_decode_matches_reference(name: str) -> None:
     """One-token decode through the fused GEMV kernels (kernels/gemv.py) against the torch
     reference (torch attention, cuBLAS, separate kernels): 64 teacher-forced steps, eager and
     through CUDA graphs, row- and column-major weights; and the same backend unfused."""
-    from pdserve.engine.models.fused import decode_gemv
     from pdserve.engine.models.layers import set_weight_layout
 
     model = random_model(small_config(), seed=6)
     prompts = _prompts(1, 11)
-    with decode_gemv(False):
+    with model.fusion.override(decode_gemv=False):
         ref_toks, ref_logits = _run(model, "torch", prompts, 64)
         forced = [t[:-1] for t in ref_toks]
         _, unfused = _run(model, name, prompts, 64, forced=forced)

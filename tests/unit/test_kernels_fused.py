@@ -20,7 +20,6 @@ from fixtures.paged import PagedRunner  # noqa: E402
 from fixtures.tiny_model import write_tiny_model  # noqa: E402
 
 from pdserve.engine.loader import load_model  # noqa: E402
-from pdserve.engine.models import layers, llama  # noqa: E402
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rope  # noqa: E402
 from pdserve.kernels.fused_norm import rmsnorm, rmsnorm_reference  # noqa: E402
 from pdserve.kernels.kv_store import store_kv_reference  # noqa: E402
@@ -137,25 +136,23 @@ def test_silu_mul_matches_reference(t: int, n: int, block: int) -> None:
 
 
 @pytest.mark.parametrize("residual_gemm", [True, False])
-def test_model_with_fused_ops_matches_plain_torch(tmp_path, monkeypatch,
-                                                  residual_gemm: bool) -> None:
-    """The tiny Llama through every fused kernel (forced on, whatever the device) gives the
-    logits and greedy tokens of the plain-torch model, with the residual adds in the closing
-    projections' GEMMs or in the norms."""
+def test_model_with_fused_ops_matches_plain_torch(tmp_path, residual_gemm: bool) -> None:
+    """The tiny Llama through the fused elementwise kernels (forced on, whatever the device)
+    gives the logits and greedy tokens of the plain-torch model, with the residual adds in the
+    closing projections' GEMMs or in the norms."""
     path = write_tiny_model(tmp_path, "llama", seed=3)
     model, _ = load_model(path, torch.float32, DEV)
     prompt = [5, 17, 99, 3, 250, 41, 7, 8, 120]
     plain_logits = PagedRunner(model, page_size=4).extend({0: prompt})[0]
     plain = PagedRunner(model, page_size=4).greedy(0, prompt, 5)
-    monkeypatch.setattr(layers, "use_fused", lambda x: True)
-    monkeypatch.setattr(llama, "use_fused", lambda x: True)
-    monkeypatch.setattr(llama, "use_residual_gemm", lambda x: residual_gemm)
-    fused_logits = PagedRunner(model, page_size=4).extend({0: prompt})[0]
-    torch.testing.assert_close(fused_logits, plain_logits, atol=1e-4, rtol=0)
-    assert PagedRunner(model, page_size=4).greedy(0, prompt, 5) == plain
+    with model.fusion.override(on_cpu=True, residual_gemm=residual_gemm, rope_store=False,
+                               decode_gemv=False):
+        fused_logits = PagedRunner(model, page_size=4).extend({0: prompt})[0]
+        torch.testing.assert_close(fused_logits, plain_logits, atol=1e-4, rtol=0)
+        assert PagedRunner(model, page_size=4).greedy(0, prompt, 5) == plain
 
 
-def test_batched_decode_with_fused_ops_matches_plain_torch(tmp_path, monkeypatch) -> None:
+def test_batched_decode_with_fused_ops_matches_plain_torch(tmp_path) -> None:
     """Decode steps of three sequences (RoPE and the KV store in one kernel, attention reading
     K/V from the pool) against the plain-torch model: logits and the pool's contents."""
     model, _ = load_model(write_tiny_model(tmp_path, "llama", seed=6), torch.float32, DEV)
@@ -166,11 +163,7 @@ def test_batched_decode_with_fused_ops_matches_plain_torch(tmp_path, monkeypatch
     toks = {0: 11, 1: 12, 2: 13}
     for _ in range(3):
         want = plain.decode(toks)
-        with monkeypatch.context() as m:
-            m.setattr(layers, "use_fused", lambda x: True)
-            m.setattr(llama, "use_fused", lambda x: True)
-            m.setattr(llama, "use_rope_store", lambda x: True)
-            m.setattr(llama, "use_residual_gemm", lambda x: True)
+        with model.fusion.override(on_cpu=True):
             got = fused.decode(toks)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         torch.testing.assert_close(fused.pool.buffer, plain.pool.buffer, atol=1e-5, rtol=0)

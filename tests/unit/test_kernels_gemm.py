@@ -116,17 +116,17 @@ def test_mlp_through_gemm_matches_plain_torch(tmp_path, monkeypatch) -> None:
     from fixtures.tiny_model import write_tiny_model
 
     from pdserve.engine.loader import load_model
-    from pdserve.engine.models import fused, layers
+    from pdserve.engine.models import fused
 
     model, _ = load_model(write_tiny_model(tmp_path, "llama", seed=5), torch.float16, DEV)
     prompt = [(7 * i + 3) % 250 for i in range(24)]
     kern = fused.kernels()
     calls = []
     monkeypatch.setattr(kern, "gemm", lambda *a, **kw: calls.append(1) or gemm(*a, **kw))
-    monkeypatch.setattr(layers, "use_gemm_silu", lambda x, w: x.dim() == 2)
+    monkeypatch.setattr(model.fusion, "use_gemm_silu", lambda x, w: x.dim() == 2)
     got = PagedRunner(model, page_size=4).extend({1: prompt})
     assert len(calls) == len(model.layers)
-    monkeypatch.setattr(layers, "use_gemm_silu", lambda x, w: False)
+    monkeypatch.setattr(model.fusion, "use_gemm_silu", lambda x, w: False)
     want = PagedRunner(model, page_size=4).extend({1: prompt})
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert int(got.argmax()) == int(want.argmax())
@@ -136,11 +136,12 @@ def test_mlp_through_gemm_matches_plain_torch(tmp_path, monkeypatch) -> None:
 def test_mlp_takes_the_gemm_on_a_hopper_gpu() -> None:
     """The engine's choice on the GPU: 64+ bf16 rows take the fused GEMM on Hopper and later,
     fewer rows or the switch off do not."""
-    from pdserve.engine.models.fused import gemm_silu, use_gemm_silu
+    from pdserve.engine.models.fused import Fusion
 
     hopper = torch.cuda.get_device_capability()[0] >= 9
+    fusion = Fusion()
     w = _randn(256, 128, seed=8, dtype=torch.bfloat16)
-    assert use_gemm_silu(_randn(64, 128, seed=9, dtype=torch.bfloat16), w) == hopper
-    assert not use_gemm_silu(_randn(63, 128, seed=9, dtype=torch.bfloat16), w)
-    with gemm_silu(False):
-        assert not use_gemm_silu(_randn(64, 128, seed=9, dtype=torch.bfloat16), w)
+    assert fusion.use_gemm_silu(_randn(64, 128, seed=9, dtype=torch.bfloat16), w) == hopper
+    assert not fusion.use_gemm_silu(_randn(63, 128, seed=9, dtype=torch.bfloat16), w)
+    with fusion.override(gemm_silu=False):
+        assert not fusion.use_gemm_silu(_randn(64, 128, seed=9, dtype=torch.bfloat16), w)

@@ -129,21 +129,21 @@ def test_batch1_decode_through_gemv_matches_plain_torch(tmp_path, monkeypatch, a
     plain, fused = PagedRunner(model, page_size=4), PagedRunner(model, page_size=4)
     plain.extend({1: prompt})
     fused.extend({1: prompt})
-    monkeypatch.setattr(decode_gemv, "use_decode_gemv", lambda x: True)
     calls = []
     real_forward = decode_gemv.forward
     monkeypatch.setattr(decode_gemv, "forward",
                         lambda m, fb: calls.append(1) or real_forward(m, fb))
     tok = 11
     for _ in range(4):
-        got = fused.decode({1: tok})[0]
-        with monkeypatch.context() as m:
-            m.setattr(decode_gemv, "use_decode_gemv", lambda x: False)
+        with model.fusion.override(on_cpu=True):
+            got = fused.decode({1: tok})[0]
+        with model.fusion.override(decode_gemv=False):
             want = plain.decode({1: tok})[0]
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(fused.pool.buffer, plain.pool.buffer, atol=1e-5, rtol=1e-5)
         tok = int(want.argmax())
         assert int(got.argmax()) == tok
     assert len(calls) == 4
-    plain.decode({1: tok, 2: 3})  # two tokens: not this path
+    with model.fusion.override(on_cpu=True):
+        plain.decode({1: tok, 2: 3})  # two tokens: not this path
     assert len(calls) == 4

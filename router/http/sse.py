@@ -1,0 +1,55 @@
+"""The streamed answer of a completion or chat completion: Server-Sent Events, one `data:` line
+per chunk, as the OpenAI API sends them.
+
+Chat streams open with an empty assistant delta per choice. A chunk goes out for each event
+with text, a finish reason or (when asked for) logprobs; a worker's failure becomes an error
+event and the stream goes on with the other choices; the usage chunk (when asked for) and
+`data: [DONE]` close it. The fan-out is closed however the stream ends (client gone included),
+which aborts whatever still runs on the workers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from pdserve.router import openai_format as fmt
+from pdserve.router.errors import RouterError
+from pdserve.router.fanout import FanOut
+from pdserve.router.http.errors import error_body
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def sse_stream(fan: FanOut, choices: list[fmt.ChoiceState], rid: str, created: int,
+                     model: str, chat: bool, want_lp: bool,
+                     include_usage: bool) -> AsyncIterator[str]:
+    try:
+        if chat:
+            for c in choices:
+                yield _data(fmt.chat_chunk(rid, created, model, c.index,
+                                           {"role": "assistant", "content": ""}, None, False))
+        try:
+            async for index, event in fan.events():
+                choice = choices[index]
+                choice.add(event)
+                if event.error is not None:
+                    yield _data(error_body(event.error, "server_error", code="worker_failed"))
+                    continue
+                if not (event.text or event.finish_reason or (want_lp and event.logprobs)):
+                    continue
+                if chat:
+                    delta = {"content": event.text} if event.text else {}
+                    yield _data(fmt.chat_chunk(rid, created, model, index, delta, event, want_lp))
+                else:
+                    yield _data(fmt.completion_chunk(rid, created, model, choice, event, want_lp))
+        except RouterError as e:
+            yield _data(e.to_openai())
+        if include_usage:
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            yield _data(fmt.usage_chunk(rid, created, model, obj, choices))
+        yield "data: [DONE]\n\n"
+    finally:
+        await fan.close()
