@@ -21,11 +21,10 @@ from pdserve.worker.scheduler_thread import SchedulerThread
 
 def _shm_pool(cfg: EngineConfig):
     """Same-host prefill workers write one-sided into a shared-memory pool (CPU pools)."""
-    from pdserve.engine.loader import read_model_config
     from pdserve.engine.model_runner import num_kv_pages
     from pdserve.kvtransfer.shm_pool import alloc_shm_pool
 
-    mc = read_model_config(cfg.model_path())
+    mc = cfg.model_config()
     n = num_kv_pages(mc, cfg.cache, cfg.torch_dtype, torch.device(cfg.device))
     return alloc_shm_pool(n, mc.num_layers, cfg.cache.page_size, mc.num_kv_heads, mc.head_dim,
                           cfg.torch_dtype)
@@ -38,7 +37,8 @@ def build_decode(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
     shm = _shm_pool(cfg) if use_shm else None
     closers: list[Callable[[], None]] = [shm.close] if shm is not None else []
     try:
-        parts = build_engine_parts(cfg, shm.tensor if shm is not None else None)
+        parts = build_engine_parts(cfg, shm.tensor if shm is not None else None,
+                                   with_tokenizer=False)
         mc = parts.runner.model_config
         kv = KVManager("decode", shm if shm is not None else parts.memory.pool.buffer,
                        transfer_config_from_args(args),
@@ -54,7 +54,7 @@ def build_decode(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
 
 
 def build_mixed(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
-    parts = build_engine_parts(cfg)
+    parts = build_engine_parts(cfg, with_tokenizer=False)
     mc = parts.runner.model_config
     sched = DecodeScheduler(parts.runner, parts.memory, cfg.scheduler)
     thread = SchedulerThread(sched, name="mixed-scheduler")

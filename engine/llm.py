@@ -55,13 +55,18 @@ class _OfflineScheduler(Scheduler):
 
 
 class LLM:
-    def __init__(self, model: str | None = None, device: str = "cpu", dtype: str | None = None,
+    def __init__(self, model: str | None = None, device: str = "auto", dtype: str | None = None,
                  page_size: int = 16, num_pages: int | None = None, max_running: int = 64,
                  chunked_prefill_size: int = 2048, disable_radix_cache: bool = False,
                  attention_backend: str | None = None, max_context_len: int | None = None,
-                 cpu_kernels: bool = True) -> None:
+                 cpu_kernels: bool = True, load_format: str = "auto",
+                 model_shape: str | None = None) -> None:
+        """`device` auto: CUDA when a GPU is there, else CPU. `load_format="dummy"`: random
+        weights for `model`'s config; `model_shape`: a named shape (engine/model_shapes.py)
+        with random weights and the embedded SmolLM2 tokenizer, instead of `model`."""
         cfg = EngineConfig(
-            model=model, device=device, dtype=dtype, attention_backend=attention_backend,
+            model=model, model_shape=model_shape, load_format=load_format, device=device,
+            dtype=dtype, attention_backend=attention_backend,
             disable_radix_cache=disable_radix_cache, cpu_kernels=cpu_kernels,
             cache=CacheConfig(page_size=page_size, num_pages=num_pages,
                               max_context_len=max_context_len,

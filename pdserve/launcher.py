@@ -17,6 +17,8 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from pdserve.engine.model_shapes import add_model_source_args
+
 
 @dataclass
 class Proc:
@@ -28,10 +30,13 @@ class Proc:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve up", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
+    add_model_source_args(p)
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--mixed", type=int, default=0, help="colocated workers (no transfer)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (GPUs assigned round-robin)")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda when a GPU is there, else cpu), cpu or cuda (GPUs assigned "
+                        "round-robin)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the router (0 = free)")
     p.add_argument("--grpc-port", type=int, default=0)
@@ -102,10 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     if (args.prefill == 0) != (args.decode == 0):
         print("pdserve up: error: --prefill and --decode go together", file=sys.stderr)
         return 2
-    if args.model is None:
+    if args.model is not None and args.model_shape is not None:
+        print("pdserve up: error: model_shape: give either --model or --model-shape",
+              file=sys.stderr)
+        return 2
+    # Fetch (or export) once here, not in every process at once.
+    if args.model_shape is not None:
+        from pdserve.engine.default_model import default_tokenizer_path
+
+        default_tokenizer_path()
+    elif args.model is None:
         from pdserve.engine.default_model import default_model_path
 
-        args.model = default_model_path()  # fetch once here, not in every worker at once
+        args.model = default_model_path()
+    source = (["--model", args.model] if args.model is not None else
+              ["--model-shape", args.model_shape]) + ["--load-format", args.load_format]
     env = dict(os.environ)
     procs: list[Proc] = []
     stop = threading.Event()
@@ -114,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.ready_timeout
     try:
         router = _spawn("router", ["router", "--host", args.host, "--port", str(args.port),
-                                   "--grpc-port", str(args.grpc_port), "--model", args.model,
+                                   "--grpc-port", str(args.grpc_port), *source,
                                    *args.router_arg], env)
         procs.append(router)
+        if args.device == "auto":  # while the router starts
+            args.device = "cuda" if _gpu_count() else "cpu"
         ready = _await_ready(router, "router", deadline)
         grpc_addr, http = ready["grpc"], ready["http"]
         roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["mixed"] * args.mixed
@@ -127,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             wenv = dict(env)
             if gpus:
                 wenv["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
-            proc = _spawn(f"{role}-{i}", [role, "--model", args.model, "--device", args.device,
+            proc = _spawn(f"{role}-{i}", [role, *source, "--device", args.device,
                                           "--host", args.host, "--router", grpc_addr,
                                           *threads, *args.worker_arg], wenv)
             procs.append(proc)

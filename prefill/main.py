@@ -15,7 +15,7 @@ from pdserve.worker.scheduler_thread import SchedulerThread
 
 
 def build(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
-    parts = build_engine_parts(cfg)
+    parts = build_engine_parts(cfg, with_tokenizer=False)
     mc = parts.runner.model_config
     kv = KVManager("prefill", parts.memory.pool.buffer, transfer_config_from_args(args),
                    Fingerprint.from_pool_buffer(mc.name, parts.memory.pool.buffer))

@@ -11,9 +11,13 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import Any
 
+from pdserve.engine.model_shapes import LOAD_FORMATS, shape_names, vocab_size
+from pdserve.engine.served_tokenizer import config_vocab_size
 from pdserve.router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
 from pdserve.router.k8s_discovery import K8sDiscoveryConfig
+from pdserve.router.prepare import load_tokenizer
 from pdserve.router.server import RouterServer
 
 
@@ -32,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixed (prefill+decode) worker gRPC address (repeatable)")
     p.add_argument("--model", default=None, help="model path (HF dir or .gguf) for the tokenizer")
     p.add_argument("--served-model-name", default=None, help="model name clients use")
+    p.add_argument("--model-shape", default=None, choices=shape_names(),
+                   help="the workers serve this named shape with random weights: the tokenizer "
+                        "is the embedded SmolLM2's (unless --model), the served name the shape's")
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="dummy: the workers run random weights for --model's config.json")
     p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default=c.prefill_policy)
     p.add_argument("--decode-policy", choices=DECODE_POLICIES, default=c.decode_policy)
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1")
@@ -68,11 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    model_path = args.model
+    if model_path is None and args.model_shape is not None:
+        from pdserve.engine.default_model import default_tokenizer_path
+
+        model_path = default_tokenizer_path()
     return RouterConfig(
         host=args.host, http_port=args.port, grpc_port=args.grpc_port,
         prefill_addrs=tuple(args.prefill), decode_addrs=tuple(args.decode),
-        mixed_addrs=tuple(args.mixed), model_path=args.model,
-        served_model_name=args.served_model_name, prefill_policy=args.prefill_policy,
+        mixed_addrs=tuple(args.mixed), model_path=model_path,
+        served_model_name=args.served_model_name or args.model_shape,
+        prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy, api_key=args.api_key,
         registration_secret=args.registration_secret,
         heartbeat_interval_s=args.heartbeat_interval, lease_s=args.lease,
@@ -94,8 +109,18 @@ def _k8s_config(args: argparse.Namespace):
                               grpc_port=args.k8s_grpc_port, interval_s=args.k8s_interval)
 
 
-async def serve(config: RouterConfig) -> None:
-    server = RouterServer(config)
+def dummy_vocab_size(args: argparse.Namespace) -> int | None:
+    """The vocabulary of workers running random weights (their ids past the tokenizer's decode
+    folded, engine/served_tokenizer.py); None for real checkpoints."""
+    if args.model_shape is not None:
+        return vocab_size(args.model_shape)
+    if args.load_format == "dummy" and args.model is not None:
+        return config_vocab_size(args.model)
+    return None
+
+
+async def serve(config: RouterConfig, tokenizer: Any = None) -> None:
+    server = RouterServer(config, tokenizer)
     await server.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -117,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(config))
+        vocab = dummy_vocab_size(args)
+        tokenizer = load_tokenizer(config.model_path, vocab) if vocab and config.model_path \
+            else None
+        asyncio.run(serve(config, tokenizer))
     except KeyboardInterrupt:
         pass
     except ValueError as e:  # e.g. --discovery k8s outside a pod without --k8s-api

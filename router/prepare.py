@@ -6,13 +6,13 @@ Everything a client can get wrong is caught here, before any worker is touched, 
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.served_tokenizer import fold_vocab, has_tokenizer_files
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.registry import Registry
 
@@ -25,17 +25,20 @@ class PreparedRequest:
     arrival: float = field(default_factory=time.monotonic)
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, model_vocab_size: int | None = None) -> Any:
     """The model's tokenizer. HF dirs load directly (the router then never imports torch);
-    anything else (a .gguf file) goes through the engine's loader."""
-    if os.path.isdir(path) and any(os.path.exists(os.path.join(path, name)) for name in
-                                   ("tokenizer.json", "tokenizer_config.json")):
+    anything else (a .gguf file) goes through the engine's loader. `model_vocab_size`: the
+    vocabulary of a model with random weights, when larger than the tokenizer's (its extra ids
+    decode folded, engine/served_tokenizer.py)."""
+    if has_tokenizer_files(path):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path)
-    from pdserve.engine.loader import load_tokenizer as engine_load
+        tok = AutoTokenizer.from_pretrained(path)
+    else:
+        from pdserve.engine.loader import load_tokenizer as engine_load
 
-    return engine_load(path)
+        tok = engine_load(path)
+    return fold_vocab(tok, model_vocab_size)
 
 
 def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2
 
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig
+from pdserve.engine.model_shapes import add_model_source_args
 from pdserve.worker.router_link import RouterLink
 from pdserve.worker.scheduler_thread import SchedulerThread
 from pdserve.worker.server import install_signal_handlers, set_health, start_grpc_server
@@ -46,7 +47,9 @@ def parser(role: str, add_role_args: Callable[[argparse.ArgumentParser], None] |
     cache, sched, eng = CacheConfig, SchedulerConfig, EngineConfig
     p = argparse.ArgumentParser(prog=f"pdserve {role}", description=f"Run a {role} worker.")
     p.add_argument("--model", default=eng.model, help="HF directory or .gguf (default: SmolLM2)")
-    p.add_argument("--device", default=eng.device)
+    add_model_source_args(p)
+    p.add_argument("--device", default=eng.device,
+                   help="auto (cuda when a GPU is there, else cpu), cpu or cuda[:N]")
     p.add_argument("--dtype", default=eng.dtype)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 = a free one)")
@@ -79,7 +82,8 @@ def parser(role: str, add_role_args: Callable[[argparse.ArgumentParser], None] |
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype,
+        model=args.model, model_shape=args.model_shape, load_format=args.load_format,
+        device=args.device, dtype=args.dtype,
         attention_backend=args.attention_backend, disable_radix_cache=args.disable_radix_cache,
         disable_cuda_graph=args.disable_cuda_graph,
         # Request slots: running requests plus those still in transfer or in the queues.

@@ -1,4 +1,5 @@
-"""Weight loading: `load_model(path, dtype, device)` for HF directories and GGUF files."""
+"""Weight loading: `load_model(path, dtype, device)` for HF directories and GGUF files, or random
+weights (`load_format="dummy"`) for a checkpoint's config or a named shape (engine/model_shapes)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pdserve.engine.config import ModelConfig, parse_dtype
 from pdserve.engine.loader.common import ModelLoadError
 from pdserve.engine.models import LlamaForCausalLM
 
-__all__ = ["ModelLoadError", "load_model", "load_tokenizer", "read_model_config",
-           "resolve_model_path"]
+__all__ = ["LOAD_FORMATS", "ModelLoadError", "check_load_format", "load_model",
+           "load_tokenizer", "read_model_config", "resolve_model_path", "shape_config"]
+
+from pdserve.engine.model_shapes import LOAD_FORMATS, check_load_format
 
 
 def resolve_model_path(path: str) -> tuple[str, str]:
@@ -32,8 +35,20 @@ def resolve_model_path(path: str) -> tuple[str, str]:
     raise ModelLoadError(f"{path}: {what}")
 
 
-def read_model_config(path: str) -> ModelConfig:
-    """The ModelConfig of a checkpoint without loading its weights."""
+def shape_config(name: str) -> ModelConfig:
+    """The ModelConfig of a named shape (engine/model_shapes.py); ValueError if unknown."""
+    from pdserve.engine.loader.hf import config_from_dict
+    from pdserve.engine.model_shapes import hf_config
+
+    return config_from_dict(hf_config(name), {}, f"model shape {name}", name)
+
+
+def read_model_config(path: str | None, model_shape: str | None = None) -> ModelConfig:
+    """The ModelConfig of a checkpoint (or of `model_shape`) without loading its weights."""
+    if model_shape is not None:
+        return shape_config(model_shape)
+    if path is None:
+        raise ValueError("model: give a model path or a model shape")
     kind, where = resolve_model_path(path)
     if kind == "hf":
         from pdserve.engine.loader.hf import read_hf_config
@@ -45,10 +60,21 @@ def read_model_config(path: str) -> ModelConfig:
 
 
 def load_model(
-    path: str, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | None, dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu", load_format: str = "auto",
+    model_shape: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Builds the model on `device` in `dtype` and fills it from an HF directory or GGUF file."""
+    """Builds the model on `device` in `dtype` and fills it from an HF directory or GGUF file,
+    or with random weights (`load_format="dummy"`, implied by `model_shape`): then only the
+    config of `path` is read (an HF directory may hold just config.json and tokenizer files)."""
+    check_load_format(load_format)
     dtype, device = parse_dtype(dtype), torch.device(device)
+    if load_format == "dummy" or model_shape is not None:
+        from pdserve.engine.loader.dummy import load_dummy_model
+
+        return load_dummy_model(read_model_config(path, model_shape), dtype, device)
+    if path is None:
+        raise ValueError("model: give a model path or a model shape")
     kind, where = resolve_model_path(path)
     if kind == "hf":
         from pdserve.engine.loader.hf import load_hf_model
@@ -60,8 +86,12 @@ def load_model(
 
 
 def load_tokenizer(path: str) -> Any:
-    """The transformers tokenizer (with chat template) of an HF directory or GGUF file."""
+    """The transformers tokenizer (with chat template) of an HF directory (tokenizer files
+    alone will do) or GGUF file."""
     from pdserve.engine.loader.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+    from pdserve.engine.served_tokenizer import has_tokenizer_files
 
+    if has_tokenizer_files(path):
+        return load_hf_tokenizer(path)
     kind, where = resolve_model_path(path)
     return load_hf_tokenizer(where) if kind == "hf" else load_gguf_tokenizer(where)

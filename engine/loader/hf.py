@@ -46,7 +46,15 @@ def _eos_ids(*values: Any) -> tuple[int, ...]:
 def read_hf_config(model_dir: str) -> ModelConfig:
     """config.json (+ generation_config.json for extra stop ids) -> ModelConfig."""
     path = os.path.join(model_dir, "config.json")
-    cfg = _read_json(path)
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    gen = _read_json(gen_path) if os.path.exists(gen_path) else {}
+    return config_from_dict(_read_json(path), gen, path,
+                            os.path.basename(os.path.normpath(model_dir)))
+
+
+def config_from_dict(cfg: dict[str, Any], gen: dict[str, Any], path: str,
+                     name: str) -> ModelConfig:
+    """A config.json dict (and generation_config.json's) -> ModelConfig; errors name `path`."""
     archs = cfg.get("architectures") or [_MODEL_TYPES.get(cfg.get("model_type", ""), "")]
     arch = archs[0] or f"model_type={cfg.get('model_type')!r}"
     check_architecture(arch, path)
@@ -66,10 +74,8 @@ def read_hf_config(model_dir: str) -> ModelConfig:
         rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
         rope_scaling.setdefault("original_max_position_embeddings", max_pos)
 
-    gen_path = os.path.join(model_dir, "generation_config.json")
-    gen = _read_json(gen_path) if os.path.exists(gen_path) else {}
-    num_heads = int(cfg["num_attention_heads"])
     try:
+        num_heads = int(cfg["num_attention_heads"])
         return ModelConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -88,11 +94,11 @@ def read_hf_config(model_dir: str) -> ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
-            name=os.path.basename(os.path.normpath(model_dir)),
+            name=name,
         )
     except KeyError as e:
         raise ModelLoadError(f"{path}: missing field {e.args[0]!r}") from e
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise ModelLoadError(f"{path}: {e}") from e
 
 

@@ -1,0 +1,39 @@
+"""`--load-format dummy`: a model built from its config with random weights; no checkpoint is
+read. For benchmarks and tests of everything around the model (serving paths, scheduling, KV
+transfer) at a real model's shape, on machines that have no weights.
+
+Weights come from one seeded generator in parameter order, so every worker of a cluster
+(prefill and decode alike) builds the same model on the same kind of device, and a decode
+worker continues a prefill worker's KV as one model would. Matrices are N(0, 1/in_features),
+norms 1 and biases 0: each projection keeps its input's scale, RMSNorm resets it at every
+layer, and the residual stream grows like the square root of the depth, so activations and
+logits (of order 1) stay finite in bf16 at 80 layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.models import LlamaForCausalLM
+
+DUMMY_SEED = 0
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = DUMMY_SEED) -> None:
+    """Fill every parameter of `model` in place (a tied head is drawn once, as the embedding)."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            p.fill_(0.0 if name.endswith("bias") else 1.0)
+        else:
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+
+
+def load_dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                     seed: int = DUMMY_SEED) -> tuple[LlamaForCausalLM, ModelConfig]:
+    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    init_dummy_weights(model, seed)
+    return model.eval(), config
