@@ -7,6 +7,7 @@ and builds ForwardBatch objects for extend and decode passes; `step_fn` picks ho
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -15,14 +16,14 @@ from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 from pdserve.engine.kv_pool import KVPool
+from pdserve.engine.loader import shape_config
 from pdserve.engine.models.llama import LlamaForCausalLM
 
 
 def llama3_8b_config(num_layers: int = 32) -> ModelConfig:
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
-                       intermediate_size=14336, num_layers=num_layers, num_heads=32,
-                       num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-                       max_position_embeddings=8192, name="llama3-8b-shape")
+    """The llama3-8b model shape (engine/model_shapes.py), without stop ids."""
+    return dataclasses.replace(shape_config("llama3-8b"), num_layers=num_layers,
+                               bos_token_id=None, eos_token_ids=(), name="llama3-8b-shape")
 
 
 def small_config(num_layers: int = 2, heads: int = 8, kv_heads: int = 2) -> ModelConfig:

@@ -25,17 +25,15 @@ from tqdm import tqdm
 
 from pdserve.bench.kv_peer import PoolSpec, make_pool, page_checksum
 from pdserve.bench.kv_worker import SenderProcess
+from pdserve.engine.model_shapes import kv_shape, shape_names
 from pdserve.kvtransfer.backends import available_backends
 from pdserve.kvtransfer.config import IPC_COPIES, TransferConfig
 from pdserve.kvtransfer.descriptors import merge_runs
 from pdserve.kvtransfer.manager import KVManager
 from pdserve.kvtransfer.poll import KVPoll
 
-# (num_layers, num_kv_heads, head_dim)
-MODEL_SHAPES = {
-    "smollm2-135m": (30, 3, 64), "smollm2-360m": (32, 5, 64), "smollm2-1.7b": (24, 32, 64),
-    "llama3-8b": (32, 8, 128), "llama3-70b": (80, 8, 128), "qwen2.5-7b": (28, 4, 128),
-}
+# (num_layers, num_kv_heads, head_dim) of the shapes that `--model-shape` serves.
+MODEL_SHAPES = {name: kv_shape(name) for name in shape_names()}
 
 
 def _ints(s: str) -> list[int]:

@@ -7,6 +7,7 @@ scheduling state; the Scheduler decides what runs.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -97,15 +98,18 @@ class ModelRunner:
         self.device = pool.device
         self.sampler = Sampler()
         self.cuda_graph = None  # a CudaGraphDecodeRunner once enable_cuda_graph() captured
+        self.cuda_graph_capture_s = 0.0
 
     def enable_cuda_graph(self, max_batch_size: int = 256) -> None:
         """Captures decode CUDA graphs for batch sizes up to `max_batch_size` (CUDA only;
         larger decode batches and every extend batch stay eager)."""
         from pdserve.engine.cuda_graph import CudaGraphDecodeRunner
 
+        t0 = time.perf_counter()
         runner = CudaGraphDecodeRunner(self.model, self.pool, self.attn_backend, max_batch_size)
         runner.capture()
         self.cuda_graph = runner
+        self.cuda_graph_capture_s = time.perf_counter() - t0
 
     @torch.inference_mode()
     def forward(self, batch: ScheduleBatch, memory,

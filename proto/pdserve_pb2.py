@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/pdserve.proto\x12\npdserve.v1\"\xd3\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x83\x01\n\x0cStageTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x14\n\x0c\x62ootstrap_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"`\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x84\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0e\n\x06stream\x18\x05 \x01(\x08\"\xee\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunk\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12)\n\x07timings\x18\x06 \x01(\x0b\x32\x18.pdserve.v1.StageTimings\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\"@\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xad\x01\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_pages_total\x18\x03 \x01(\x03\x12\x15\n\rkv_pages_free\x18\x04 \x01(\x03\x12\x17\n\x0fkv_pages_cached\x18\x05 \x01(\x03\x12\x17\n\x0fkv_pages_in_use\x18\x06 \x01(\x03\x12\x14\n\x0cnum_inflight\x18\x07 \x01(\x05\"\xe0\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x16\n\x0e\x62ootstrap_addr\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\r\n\x05state\x18\x06 \x01(\t\x12$\n\x04load\x18\x07 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x11\n\tpage_size\x18\x08 \x01(\x05\x12\x17\n\x0fmax_context_len\x18\t \x01(\x05\x12\x18\n\x10transfer_backend\x18\n \x01(\t\"\x14\n\x12ListWorkersRequest\">\n\x13ListWorkersResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\"O\n\x15RegisterWorkerRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x0e\n\x06secret\x18\x02 \x01(\t\"Z\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\"m\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x0e\n\x06secret\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"6\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\x88\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04room\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65\x63ode_addr\x18\x05 \x01(\t\"\x8b\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12)\n\x07timings\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.StageTimingsJ\x04\x08\x02\x10\x03R\x05\x66irst\"\xa2\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04room\x18\x04 \x01(\x04\x12\x16\n\x0e\x62ootstrap_addr\x18\x05 \x01(\tJ\x04\x08\x06\x10\x07R\x10skip_first_token\"\xaf\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunk\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12)\n\x07timings\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.StageTimings\"\x0f\n\rStatusRequest\"6\n\x0eStatusResponse\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo2\xcf\x03\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponse\x12W\n\x0eRegisterWorker\x12!.pdserve.v1.RegisterWorkerRequest\x1a\".pdserve.v1.RegisterWorkerResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponse2\x8e\x02\n\x06Worker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x1a.pdserve.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/pdserve.proto\x12\npdserve.v1\"\xd3\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x83\x01\n\x0cStageTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x14\n\x0c\x62ootstrap_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"`\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x84\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0e\n\x06stream\x18\x05 \x01(\x08\"\xee\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunk\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12)\n\x07timings\x18\x06 \x01(\x0b\x32\x18.pdserve.v1.StageTimings\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\"@\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04room\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xad\x01\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_pages_total\x18\x03 \x01(\x03\x12\x15\n\rkv_pages_free\x18\x04 \x01(\x03\x12\x17\n\x0fkv_pages_cached\x18\x05 \x01(\x03\x12\x17\n\x0fkv_pages_in_use\x18\x06 \x01(\x03\x12\x14\n\x0cnum_inflight\x18\x07 \x01(\x05\"\xc7\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x16\n\x0e\x62ootstrap_addr\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\r\n\x05state\x18\x06 \x01(\t\x12$\n\x04load\x18\x07 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x11\n\tpage_size\x18\x08 \x01(\x05\x12\x17\n\x0fmax_context_len\x18\t \x01(\x05\x12\x18\n\x10transfer_backend\x18\n \x01(\t\x12\x35\n\x08warmup_s\x18\x0b \x03(\x0b\x32#.pdserve.v1.WorkerInfo.WarmupSEntry\x1a.\n\x0cWarmupSEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x14\n\x12ListWorkersRequest\">\n\x13ListWorkersResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\"O\n\x15RegisterWorkerRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x0e\n\x06secret\x18\x02 \x01(\t\"Z\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\"m\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x0e\n\x06secret\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"6\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\x88\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04room\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65\x63ode_addr\x18\x05 \x01(\t\"\x8b\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12)\n\x07timings\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.StageTimingsJ\x04\x08\x02\x10\x03R\x05\x66irst\"\xa2\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04room\x18\x04 \x01(\x04\x12\x16\n\x0e\x62ootstrap_addr\x18\x05 \x01(\tJ\x04\x08\x06\x10\x07R\x10skip_first_token\"\xaf\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunk\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12)\n\x07timings\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.StageTimings\"\x0f\n\rStatusRequest\"6\n\x0eStatusResponse\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo2\xcf\x03\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponse\x12W\n\x0eRegisterWorker\x12!.pdserve.v1.RegisterWorkerRequest\x1a\".pdserve.v1.RegisterWorkerResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponse2\x8e\x02\n\x06Worker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x1a.pdserve.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.proto.pdserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_WORKERINFO_WARMUPSENTRY']._loaded_options = None
+  _globals['_WORKERINFO_WARMUPSENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=44
   _globals['_SAMPLINGPARAMS']._serialized_end=511
   _globals['_STAGETIMINGS']._serialized_start=514
@@ -52,37 +54,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERLOAD']._serialized_start=1354
   _globals['_WORKERLOAD']._serialized_end=1527
   _globals['_WORKERINFO']._serialized_start=1530
-  _globals['_WORKERINFO']._serialized_end=1754
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1756
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1776
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1778
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1840
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1842
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1921
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1923
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=2013
-  _globals['_HEARTBEATREQUEST']._serialized_start=2015
-  _globals['_HEARTBEATREQUEST']._serialized_end=2124
-  _globals['_HEARTBEATRESPONSE']._serialized_start=2126
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2160
-  _globals['_DEREGISTERREQUEST']._serialized_start=2162
-  _globals['_DEREGISTERREQUEST']._serialized_end=2216
-  _globals['_DEREGISTERRESPONSE']._serialized_start=2218
-  _globals['_DEREGISTERRESPONSE']._serialized_end=2238
-  _globals['_PREFILLREQUEST']._serialized_start=2241
-  _globals['_PREFILLREQUEST']._serialized_end=2377
-  _globals['_PREFILLRESPONSE']._serialized_start=2380
-  _globals['_PREFILLRESPONSE']._serialized_end=2519
-  _globals['_DECODEREQUEST']._serialized_start=2522
-  _globals['_DECODEREQUEST']._serialized_end=2684
-  _globals['_DECODERESPONSE']._serialized_start=2687
-  _globals['_DECODERESPONSE']._serialized_end=2862
-  _globals['_STATUSREQUEST']._serialized_start=2864
-  _globals['_STATUSREQUEST']._serialized_end=2879
-  _globals['_STATUSRESPONSE']._serialized_start=2881
-  _globals['_STATUSRESPONSE']._serialized_end=2935
-  _globals['_ROUTER']._serialized_start=2938
-  _globals['_ROUTER']._serialized_end=3401
-  _globals['_WORKER']._serialized_start=3404
-  _globals['_WORKER']._serialized_end=3674
+  _globals['_WORKERINFO']._serialized_end=1857
+  _globals['_WORKERINFO_WARMUPSENTRY']._serialized_start=1811
+  _globals['_WORKERINFO_WARMUPSENTRY']._serialized_end=1857
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1859
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1879
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1881
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1943
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1945
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=2024
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=2026
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=2116
+  _globals['_HEARTBEATREQUEST']._serialized_start=2118
+  _globals['_HEARTBEATREQUEST']._serialized_end=2227
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2229
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2263
+  _globals['_DEREGISTERREQUEST']._serialized_start=2265
+  _globals['_DEREGISTERREQUEST']._serialized_end=2319
+  _globals['_DEREGISTERRESPONSE']._serialized_start=2321
+  _globals['_DEREGISTERRESPONSE']._serialized_end=2341
+  _globals['_PREFILLREQUEST']._serialized_start=2344
+  _globals['_PREFILLREQUEST']._serialized_end=2480
+  _globals['_PREFILLRESPONSE']._serialized_start=2483
+  _globals['_PREFILLRESPONSE']._serialized_end=2622
+  _globals['_DECODEREQUEST']._serialized_start=2625
+  _globals['_DECODEREQUEST']._serialized_end=2787
+  _globals['_DECODERESPONSE']._serialized_start=2790
+  _globals['_DECODERESPONSE']._serialized_end=2965
+  _globals['_STATUSREQUEST']._serialized_start=2967
+  _globals['_STATUSREQUEST']._serialized_end=2982
+  _globals['_STATUSRESPONSE']._serialized_start=2984
+  _globals['_STATUSRESPONSE']._serialized_end=3038
+  _globals['_ROUTER']._serialized_start=3041
+  _globals['_ROUTER']._serialized_end=3504
+  _globals['_WORKER']._serialized_start=3507
+  _globals['_WORKER']._serialized_end=3777
 # @@protoc_insertion_point(module_scope)

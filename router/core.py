@@ -36,8 +36,10 @@ class RouterCore:
         metrics = RouterMetrics(registry)
         flow = RequestFlow(config, registry, make_prefill_policy(config),
                            make_decode_policy(config), tokenizer, metrics)
-        return cls(config=config, tokenizer=tokenizer, registry=registry,
-                   preparer=Preparer(tokenizer, registry), flow=flow, metrics=metrics)
+        preparer = Preparer(tokenizer, registry)
+        preparer.warm_up()
+        return cls(config=config, tokenizer=tokenizer, registry=registry, preparer=preparer,
+                   flow=flow, metrics=metrics)
 
     async def start(self) -> None:
         await self.registry.start()

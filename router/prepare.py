@@ -96,6 +96,13 @@ class Preparer:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in convo) + "assistant: "
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def warm_up(self) -> None:
+        """Compile the chat template and run the encoders and the decoder once, so that the
+        first requests do not pay for it (jinja compiles a template on first use)."""
+        ids = self.encode_chat([{"role": "user", "content": "Hello"}])
+        self.encode_text("Hello")
+        self.tokenizer.decode(ids[-4:])
+
     def context_limit(self) -> int:
         """Smallest max_context_len among the workers in rotation (0 = unknown)."""
         limits = [w.max_context_len for w in self.registry.available("prefill", "decode", "mixed")

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig
 from pdserve.engine.model_shapes import add_model_source_args
+from pdserve.engine.warmup import warm_up
 from pdserve.worker.router_link import RouterLink
 from pdserve.worker.scheduler_thread import SchedulerThread
 from pdserve.worker.server import install_signal_handlers, set_health, start_grpc_server
@@ -72,6 +73,9 @@ def parser(role: str, add_role_args: Callable[[argparse.ArgumentParser], None] |
     p.add_argument("--tls-key", default=None, help="gRPC server private key (PEM)")
     p.add_argument("--tls-ca", default=None, help="CA (PEM) to verify a TLS router with")
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--skip-warmup", action="store_true",
+                   help="serve at once: the first requests then pay one-time costs (weight "
+                        "packing, kernel JIT) in their latency")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0 = torch's default); `pdserve up` splits the cores")
     p.add_argument("--log-level", default="WARNING")
@@ -98,6 +102,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 async def _serve(role: str, args: argparse.Namespace, build: Build) -> int:
     parts = build(args, engine_config(args))
     service, thread = parts.service, parts.thread
+    if not args.skip_warmup:  # before the scheduler thread owns the engine, and registration
+        service.warmup_s = warm_up(thread.scheduler, log=log.info)
     thread.start()
     server, port, health = await start_grpc_server(
         service, args.host, args.port, args.registration_secret or None, args.tls_cert,
@@ -111,7 +117,8 @@ async def _serve(role: str, args: argparse.Namespace, build: Build) -> int:
                           args.tls_ca)
         await link.start()
     print(f"worker ready role={role} grpc={service.address} "
-          f"bootstrap={service.bootstrap_addr or '-'} id={service.worker_id}", flush=True)
+          f"bootstrap={service.bootstrap_addr or '-'} id={service.worker_id} "
+          f"warmup_s={sum(service.warmup_s.values()):.2f}", flush=True)
     try:
         await stop.wait()
     finally:

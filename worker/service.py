@@ -47,6 +47,7 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
         self.rid_by_room: dict[int, str] = {}
         self.rid_by_request: dict[str, str] = {}  # client request id -> latest internal rid
         self.live: set[str] = set()  # internal rids between arrival and the end of their RPC
+        self.warmup_s: dict[str, float] = {}  # path -> seconds, run before registering
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -113,7 +114,7 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
             bootstrap_addr=self.bootstrap_addr, model=self.model_name,
             state="draining" if self.draining else "healthy", load=self.load(),
             page_size=self.memory.page_size, max_context_len=self.memory.max_context_len,
-            transfer_backend=self.transfer_backend)
+            transfer_backend=self.transfer_backend, warmup_s=self.warmup_s)
 
     def load(self) -> pb.WorkerLoad:
         return load_from_dict(self.thread.snapshot)
