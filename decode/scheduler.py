@@ -39,7 +39,8 @@ class DecodeReq(Req):
     receiver: KVReceiver | None = None
     t_prealloc: float = 0.0
     t_transferred: float = 0.0
-    last_tokens: TokenOutput = TokenOutput()  # the finishing step's, sent with the finish
+    last_tokens: TokenOutput = TokenOutput()  # not streamed yet at the finish: sent with it
+    num_streamed: int = 0  # output tokens put into the sink so far
 
 
 class DecodeScheduler(Scheduler):
@@ -75,11 +76,12 @@ class DecodeScheduler(Scheduler):
     # ---- hooks: streaming --------------------------------------------------------------------
 
     def on_tokens(self, req: DecodeReq, num_new: int) -> None:
-        tokens = TokenOutput.last_of(req, num_new)
+        unsent = len(req.output_ids) - req.num_streamed
         if req.finished:
-            req.last_tokens = tokens
-        else:
-            req.sink.put(TokensEvent(tokens))
+            req.last_tokens = TokenOutput.last_of(req, unsent)
+        elif req.num_streamed == 0 or unsent >= self.config.stream_interval:
+            req.sink.put(TokensEvent(TokenOutput.last_of(req, unsent)))
+            req.num_streamed += unsent
 
     def on_finish(self, req: DecodeReq) -> None:
         now = time.perf_counter()

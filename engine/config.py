@@ -92,10 +92,15 @@ class SchedulerConfig:
     chunked_prefill_size: int = 2048  # token budget of one extend batch
     decode_reserve_tokens: int = 32  # per running request, kept free for decode growth
     overlap_schedule: bool = True  # on CUDA: launch decode step N+1 before reading step N back
+    # Decode workers stream a running request's tokens every this many of its tokens (the first
+    # and the last at once): fewer, larger messages at the cost of burstier streams.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.max_running <= 0:
             raise ValueError(f"max_running: must be positive, got {self.max_running}")
+        if self.stream_interval <= 0:
+            raise ValueError(f"stream_interval: must be positive, got {self.stream_interval}")
         if self.chunked_prefill_size <= 0:
             raise ValueError(
                 f"chunked_prefill_size: must be positive, got {self.chunked_prefill_size}")

@@ -135,13 +135,34 @@ class TextStream:
         return self._release(), self.finished, self.finish_reason
 
     def push_many(self, token_ids: list[int]) -> tuple[str, bool, str | None]:
-        """`push` each token until finished; tokens after the finishing one are ignored."""
-        parts = []
+        """`push` each token until finished; tokens after the finishing one are ignored
+        (`num_output_tokens` counts those taken). Without stop strings the tokens' text is
+        decoded in one step: the same text, stop tokens and length limit as one by one."""
+        if self.finished:
+            raise ValueError(f"token_id: stream already finished ({self.finish_reason})")
+        if self.checker.stop or len(token_ids) == 1:
+            parts = []
+            for tid in token_ids:
+                parts.append(self.push(tid)[0])
+                if self.finished:
+                    break
+            return "".join(parts), self.finished, self.finish_reason
+        kept: list[int] = []
+        finish: tuple[str, int | None] | None = None
         for tid in token_ids:
-            parts.append(self.push(tid)[0])
-            if self.finished:
+            self.num_output_tokens += 1
+            n = self.num_output_tokens
+            if self.checker.is_stop_token(tid, n):
+                finish = (FINISH_STOP, int(tid))
                 break
-        return "".join(parts), self.finished, self.finish_reason
+            kept.append(int(tid))
+            if n >= self.checker.max_tokens:
+                finish = (FINISH_LENGTH, None)
+                break
+        self._append(self.detokenizer.add(kept) if kept else "")
+        if finish is not None:
+            self._finish(*finish)
+        return self._release(), self.finished, self.finish_reason
 
     def finish(self, reason: str = "abort") -> str:
         """End the stream from outside (abort, cancellation); return the remaining text."""

@@ -12,7 +12,7 @@ import grpc
 
 from pdserve.prefill.scheduler import PrefillReq
 from pdserve.proto import pdserve_pb2 as pb
-from pdserve.worker.events import ErrorEvent, ReqChannel
+from pdserve.worker.events import ErrorEvent
 from pdserve.worker.service import WorkerServiceBase, timings_of
 
 
@@ -21,7 +21,7 @@ class PrefillService(WorkerServiceBase):
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         rid, valid = await self.accept(request, context, "room: must be a non-zero 63-bit id")
-        chan = ReqChannel(asyncio.get_running_loop())
+        chan = self.channel()
         req = PrefillReq(rid, valid.input_ids, valid.sampling, room=request.room, sink=chan)
         try:
             self.submit_add(req, chan)

@@ -34,6 +34,12 @@ LIVENESS_CHECK_S = 1.0
 STALL_MIN_S = 3.0  # ... once both legs were silent at least this long (and a health round)
 
 
+def _cancelling() -> bool:
+    """The running task has been asked to cancel (Python 3.11+; on 3.10 never known)."""
+    task = asyncio.current_task()
+    return task is not None and getattr(task, "cancelling", lambda: 0)() > 0
+
+
 class LegFailure(Exception):
     def __init__(self, worker: WorkerEntry, leg: str, code: grpc.StatusCode, details: str):
         super().__init__(f"{leg} worker {worker.address} failed: {code.name}: {details}")
@@ -61,53 +67,53 @@ class Attempt:
     _cached_tokens: int = 0
     _prefill_timings: dict | None = None
     _ttft_ms: float = 0.0
+    _decode_call: grpc.aio.UnaryStreamCall | None = None
+    _interrupt: str | LegFailure | None = None  # "abort", or the failure that ends the attempt
+    _finishing: bool = False  # the answer is complete (or the attempt over): no interrupts
+    _last_heard: float = 0.0
+    _watchdog: asyncio.TimerHandle | None = None
 
     @property
     def prefill_addr(self) -> str:
         return self.prefill.address if self.prefill is not None else ""
 
     async def stream(self) -> AsyncIterator[FlowEvent]:
+        """The attempt's events. Per decode message it only awaits the next read: the abort
+        event, the prefill answer and the liveness watchdog are callbacks that interrupt that
+        read (by cancelling the decode call) when they end the attempt."""
         legs = [w for w in (self.prefill, self.decode) if w is not None]
         timeout = max(0.001, self.flow.config.request_timeout_s
                       - (time.monotonic() - self.req.arrival))
+        loop = asyncio.get_running_loop()
         for w in legs:
             w.inflight += 1
         finished_by_worker = False
         prefill_task: asyncio.Task | None = None
-        decode_call = None
-        next_msg: asyncio.Task | None = None
         abort_wait = asyncio.ensure_future(self.abort_event.wait())
-        last_heard = time.monotonic()
+        abort_wait.add_done_callback(self._on_abort)
+        self._last_heard = time.monotonic()
         try:
             if self.prefill is not None:
                 prefill_task = asyncio.ensure_future(
                     self.prefill.open().Prefill(self.prefill_req, timeout=timeout,
                                                 metadata=self.prefill.metadata))
-            decode_call = self.decode.open().Decode(self.decode_req, timeout=timeout,
-                                                    metadata=self.decode.metadata)
-            next_msg = asyncio.ensure_future(decode_call.read())
-            pending = {t for t in (next_msg, abort_wait, prefill_task) if t is not None}
+                prefill_task.add_done_callback(self._on_prefill)
+            self._decode_call = self.decode.open().Decode(self.decode_req, timeout=timeout,
+                                                          metadata=self.decode.metadata)
+            self._watchdog = loop.call_later(LIVENESS_CHECK_S, self._watch, prefill_task)
             while True:
-                done, _ = await asyncio.wait(pending, timeout=LIVENESS_CHECK_S,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if not done:
-                    self._check_legs_alive(prefill_task, time.monotonic() - last_heard)
-                    continue
-                last_heard = time.monotonic()
-                if prefill_task is not None and prefill_task in done:
-                    pending.discard(prefill_task)
-                    self._take_prefill(prefill_task)
-                if abort_wait in done:
-                    yield self._final(self.text.finish("abort"), [], None, "abort", None)
-                    return
-                if next_msg not in done:
-                    continue
-                pending.discard(next_msg)
-                msg = self._decode_result(next_msg)
+                msg = await self._read()
+                if msg is None:  # interrupted
+                    if self._interrupt == "abort":
+                        yield self._final(self.text.finish("abort"), [], None, "abort", None)
+                        return
+                    raise self._interrupt  # a LegFailure
+                self._last_heard = time.monotonic()
                 event = self._consume(msg)
                 if msg.finish_reason:
                     finished_by_worker = True
                 if self.text.finished:
+                    self._finishing = True
                     for w in legs:
                         self.flow.registry.report_success(w)
                     if prefill_task is not None and not prefill_task.done():
@@ -120,14 +126,15 @@ class Attempt:
                 if event.token_ids:
                     self.sent_tokens = True
                     yield event
-                next_msg = asyncio.ensure_future(decode_call.read())
-                pending.add(next_msg)
         finally:
-            for task in (next_msg, prefill_task, abort_wait):
+            self._finishing = True
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+            for task in (prefill_task, abort_wait):
                 if task is not None and not task.done():
                     task.cancel()
-            if decode_call is not None and not finished_by_worker:
-                decode_call.cancel()
+            if self._decode_call is not None and not finished_by_worker:
+                self._decode_call.cancel()
             for w in legs:
                 w.inflight -= 1
             prefill_open = prefill_task is not None and not (
@@ -136,6 +143,65 @@ class Attempt:
                 [self.prefill] if prefill_open and self.prefill is not None else [])
             if targets:
                 self.flow.send_aborts(self.room, self.req.request_id, targets, "router abort")
+
+    async def _read(self) -> pb.DecodeResponse | None:
+        """The next decode message; None once an interrupt (`_interrupt`) cancelled the call.
+        Raises LegFailure when the decode leg fails."""
+        call = self._decode_call
+        try:
+            msg = await call.read()
+        except asyncio.CancelledError:
+            if _cancelling():
+                raise  # the caller is being cancelled
+            if self._interrupt is not None:
+                return None
+            # Cancelled by neither: its channel was closed (the worker left the registry).
+            raise LegFailure(self.decode, "decode", grpc.StatusCode.UNAVAILABLE,
+                             "the call was cancelled (worker connection closed)") from None
+        except grpc.aio.AioRpcError as e:
+            if self._interrupt is not None:
+                return None
+            raise LegFailure(self.decode, "decode", e.code(), e.details() or "") from None
+        if msg is grpc.aio.EOF:
+            raise LegFailure(self.decode, "decode", grpc.StatusCode.UNAVAILABLE,
+                             "stream ended without a finish reason")
+        if msg.finish_reason == "abort" and not self.sent_tokens:
+            raise LegFailure(self.decode, "decode", grpc.StatusCode.ABORTED,
+                             "the worker aborted the request before its first token")
+        return msg
+
+    def _interrupt_with(self, why: str | LegFailure) -> None:
+        """End the attempt from a callback: the pending read returns None."""
+        if self._interrupt is not None or self._finishing:
+            return
+        self._interrupt = why
+        if self._decode_call is not None:
+            self._decode_call.cancel()
+
+    def _on_abort(self, task: asyncio.Task) -> None:
+        if not task.cancelled():
+            self._interrupt_with("abort")
+
+    def _on_prefill(self, task: asyncio.Task) -> None:
+        if self._finishing:
+            return
+        self._last_heard = time.monotonic()
+        try:
+            self._take_prefill(task)
+        except LegFailure as failure:
+            self._interrupt_with(failure)
+
+    def _watch(self, prefill_task: asyncio.Task | None) -> None:
+        """Every LIVENESS_CHECK_S: fail the attempt when a silent leg's worker is gone."""
+        if self._finishing or self._interrupt is not None:
+            return
+        try:
+            self._check_legs_alive(prefill_task, time.monotonic() - self._last_heard)
+        except LegFailure as failure:
+            self._interrupt_with(failure)
+            return
+        self._watchdog = asyncio.get_running_loop().call_later(LIVENESS_CHECK_S, self._watch,
+                                                               prefill_task)
 
     def _check_legs_alive(self, prefill_task: asyncio.Task | None, silent_s: float) -> None:
         cfg = self.flow.config
@@ -169,58 +235,48 @@ class Attempt:
         self._cached_tokens = max(self._cached_tokens, resp.cached_tokens)
         self._prefill_timings = timings_to_dict(resp.timings)
 
-    def _decode_result(self, task: asyncio.Task) -> pb.DecodeResponse:
-        if task.cancelled():  # its channel was closed (worker removed): not our cancellation
-            raise LegFailure(self.decode, "decode", grpc.StatusCode.UNAVAILABLE,
-                             "the call was cancelled (worker connection closed)")
-        try:
-            msg = task.result()
-        except grpc.aio.AioRpcError as e:
-            raise LegFailure(self.decode, "decode", e.code(), e.details() or "") from None
-        if msg is grpc.aio.EOF:
-            raise LegFailure(self.decode, "decode", grpc.StatusCode.UNAVAILABLE,
-                             "stream ended without a finish reason")
-        if msg.finish_reason == "abort" and not self.sent_tokens:
-            raise LegFailure(self.decode, "decode", grpc.StatusCode.ABORTED,
-                             "the worker aborted the request before its first token")
-        return msg
-
     def _consume(self, msg: pb.DecodeResponse) -> FlowEvent:
+        """A decode message's tokens (one or more: a stream that fell behind catches up in
+        fewer messages) through the text stream, as one event."""
         chunk = msg.chunk
-        want_lp = self.req.sampling.logprobs is not None
-        pieces: list[str] = []
+        ids = list(chunk.token_ids)
+        text = ""
         used: list[int] = []
-        lps: list[TokenLogprob] | None = [] if want_lp else None
-        tok = self.flow.tokenizer
-        for i, tid in enumerate(chunk.token_ids):
-            if self.text.finished:
-                break
-            pieces.append(self.text.push(tid)[0])
-            used.append(tid)
-            if lps is not None and i < len(chunk.logprobs):
-                top = []
-                if i < len(chunk.top_logprobs):
-                    alt = chunk.top_logprobs[i]
-                    top = [(t, tok.decode([t]), lp) for t, lp in zip(alt.token_ids, alt.logprobs)]
-                lps.append(TokenLogprob(tid, tok.decode([tid]), chunk.logprobs[i], top))
+        if ids and not self.text.finished:
+            before = self.text.num_output_tokens
+            text = self.text.push_many(ids)[0]
+            used = ids[:self.text.num_output_tokens - before]
+        lps: list[TokenLogprob] | None = None
+        if self.req.sampling.logprobs is not None:
+            lps = self._logprobs(chunk, used)
         if msg.finish_reason and not self.text.finished:
-            pieces.append(self.text.finish(msg.finish_reason))
+            text += self.text.finish(msg.finish_reason)
         if msg.HasField("usage"):
             self._cached_tokens = max(self._cached_tokens, msg.usage.cached_tokens)
-        now = time.monotonic()
-        metrics = self.flow.metrics
-        if used and metrics is not None:
-            if not self.sent_tokens:
-                metrics.on_first_token(now - self.req.arrival)
-            else:
-                metrics.on_tokens(now - self._last_token_at, len(used))
-        if used and not self.sent_tokens:
-            self._ttft_ms = (now - self.req.arrival) * 1000.0
         if used:
+            now = time.monotonic()
+            metrics = self.flow.metrics
+            if not self.sent_tokens:
+                self._ttft_ms = (now - self.req.arrival) * 1000.0
+                if metrics is not None:
+                    metrics.on_first_token(now - self.req.arrival)
+            elif metrics is not None:
+                metrics.on_tokens(now - self._last_token_at, len(used))
             self._last_token_at = now
-        return FlowEvent(request_id=self.req.request_id, text="".join(pieces), token_ids=used,
+        return FlowEvent(request_id=self.req.request_id, text=text, token_ids=used,
                          logprobs=lps, prefill_worker=self.prefill_addr,
                          decode_worker=self.decode.address)
+
+    def _logprobs(self, chunk: pb.TokenChunk, used: list[int]) -> list[TokenLogprob]:
+        decode = self.flow.decode_token
+        out = []
+        for i, tid in enumerate(used[:len(chunk.logprobs)]):
+            top = []
+            if i < len(chunk.top_logprobs):
+                alt = chunk.top_logprobs[i]
+                top = [(t, decode(t), lp) for t, lp in zip(alt.token_ids, alt.logprobs)]
+            out.append(TokenLogprob(tid, decode(tid), chunk.logprobs[i], top))
+        return out
 
     def _final(self, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None,
                reason: str, msg: pb.DecodeResponse | None) -> FlowEvent:

@@ -3,6 +3,10 @@
 `prime()` waits until every flow produced its first event (or ended), so errors that happen
 before any output (validation, no workers, failed after the retry) become one HTTP error
 instead of a half-written stream. After that a flow only ends with an error *event*.
+
+One flow (the common case: n = 1, one prompt) is read in place by whoever reads the fan-out,
+without a task and a queue between: per token that hop cost as much as the rest of the
+router's streaming path. Several flows each run in a task feeding one queue.
 """
 
 from __future__ import annotations
@@ -19,11 +23,20 @@ _END = object()
 log = logging.getLogger(__name__)
 
 
+def _as_router_error(e: Exception) -> RouterError:
+    if isinstance(e, RouterError):
+        return e
+    log.exception("request flow failed", exc_info=e)  # a bug must end the stream, not hang it
+    return RouterError(f"internal error: {type(e).__name__}")
+
+
 class FanOut:
     def __init__(self, streams: list[AsyncIterator[FlowEvent]]) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._num = len(streams)
-        self._tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
+        self._single = streams[0] if len(streams) == 1 else None
+        self._tasks = [] if self._single is not None else [
+            asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
         self._buffer: list[tuple[int, FlowEvent]] = []
         self._ended: set[int] = set()
 
@@ -35,13 +48,9 @@ class FanOut:
                     self._queue.put_nowait((index, event))
             ended = True
             self._queue.put_nowait((index, _END))
-        except RouterError as e:
+        except Exception as e:
             ended = True
-            self._queue.put_nowait((index, e))
-        except Exception as e:  # a bug must end the stream, not hang it
-            ended = True
-            log.exception("request flow failed")
-            self._queue.put_nowait((index, RouterError(f"internal error: {type(e).__name__}")))
+            self._queue.put_nowait((index, _as_router_error(e)))
         finally:
             if not ended:  # cancelled (by close(), or from below): the reader must not hang
                 self._queue.put_nowait((index, UpstreamFailed(
@@ -53,8 +62,28 @@ class FanOut:
             raise item[1]
         return item
 
+    async def _next_single(self) -> FlowEvent | None:
+        """The single flow's next event, None at its end; its errors as RouterError."""
+        try:
+            return await anext(self._single)  # type: ignore[arg-type]
+        except StopAsyncIteration:
+            return None
+        except Exception as e:
+            raise _as_router_error(e) from None
+
     async def prime(self) -> None:
         """Raise the first RouterError of any flow before it has produced output."""
+        if self._single is not None:
+            try:
+                first = await self._next_single()
+            except BaseException:
+                await self.close()
+                raise
+            if first is None:
+                self._ended.add(0)
+            else:
+                self._buffer.append((0, first))
+            return
         started: set[int] = set()
         try:
             while len(started) < self._num:
@@ -72,6 +101,14 @@ class FanOut:
         for item in self._buffer:
             yield item
         self._buffer.clear()
+        if self._single is not None:
+            while not self._ended:
+                event = await self._next_single()
+                if event is None:
+                    self._ended.add(0)
+                else:
+                    yield 0, event
+            return
         while len(self._ended) < self._num:
             index, item = await self._next()
             if item is _END:
@@ -81,6 +118,9 @@ class FanOut:
 
     async def close(self) -> None:
         """Cancel what still runs; each flow's cleanup sends its Aborts."""
+        if self._single is not None:
+            await self._single.aclose()  # type: ignore[attr-defined]
+            return
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.engine.detokenizer import decode_fn
 from pdserve.engine.stop import TextStream
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto.rpc import sampling_to_proto
@@ -46,9 +47,14 @@ class RequestFlow:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.eos_ids = eos_token_ids(tokenizer)
+        self._decode = decode_fn(tokenizer)
         self.disagg = DisaggPolicy(config.disagg_threshold)
         self._active: dict[str, asyncio.Event] = {}
         self._background: set[asyncio.Task] = set()
+
+    def decode_token(self, token_id: int) -> str:
+        """One token's text, special tokens kept (logprobs name every token)."""
+        return self._decode([token_id], False)
 
     def pick(self, input_ids: list[int], exclude: set[str] = frozenset()
              ) -> tuple[WorkerEntry | None, WorkerEntry, DisaggDecision]:

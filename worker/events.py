@@ -4,11 +4,18 @@ The scheduler thread produces typed events for one request; the request's asynci
 consumes them. A request's events end with exactly one FinishEvent, PrefilledEvent (prefill
 worker: the first token is sampled and the last KV chunk queued) or ErrorEvent; the channel
 drops anything put after that.
+
+Events cross from the scheduler thread to the loop in batches (`EventPump`): a decode step puts
+one event per running request, and waking the loop once per event (a syscall and a callback
+each, while the scheduler holds the GIL) would cost the step more than the events themselves.
+A request's handler takes every event that arrived since it last looked (`get_batch`), so when
+it falls behind, its tokens leave in fewer, larger messages; in order, none dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,6 +39,15 @@ class TokenOutput:
         lps = req.output_logprobs[-num:] if req.sampling.logprobs is not None else []
         top = req.output_top_logprobs[-num:] if req.sampling.logprobs else []
         return cls(req.output_ids[-num:], list(lps), list(top))
+
+    @classmethod
+    def concat(cls, parts: list[TokenOutput]) -> TokenOutput:
+        """The tokens of consecutive outputs of one request as one output."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls([t for p in parts for t in p.token_ids],
+                   [lp for p in parts for lp in p.logprobs],
+                   [top for p in parts for top in p.top_logprobs])
 
 
 @dataclass(frozen=True)
@@ -90,23 +106,73 @@ class EventSink(Protocol):
     def put(self, event: WorkerEvent) -> None: ...
 
 
-class ReqChannel:
-    """An EventSink feeding an asyncio.Queue that the request's handler owns."""
+class EventPump:
+    """Carries events from the scheduler thread to one asyncio loop: whatever was posted before
+    the loop got to it is delivered by one callback (one wake-up), in posting order."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[WorkerEvent] = asyncio.Queue()
-        self.closed = False
+        self._lock = threading.Lock()
+        self._pending: list[tuple[ReqChannel, WorkerEvent]] = []
+        self._scheduled = False
+
+    def post(self, channel: ReqChannel, event: WorkerEvent) -> None:
+        with self._lock:
+            self._pending.append((channel, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+            pass
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, []
+            self._scheduled = False
+        for channel, event in items:
+            channel.deliver(event)
+
+
+class ReqChannel:
+    """An EventSink whose events the request's handler (on the loop) awaits."""
+
+    def __init__(self, pump: EventPump) -> None:
+        self.pump = pump
+        self.closed = False  # the final event was put (scheduler thread)
+        self._items: list[WorkerEvent] = []
+        self._waiter: asyncio.Future | None = None
 
     def put(self, event: WorkerEvent) -> None:
         if self.closed:
             return
         if isinstance(event, _FINAL):
             self.closed = True
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
-            pass
+        self.pump.post(self, event)
+
+    def deliver(self, event: WorkerEvent) -> None:
+        """On the loop: queue the event and wake the handler."""
+        self._items.append(event)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        while not self._items:
+            self._waiter = self.pump.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    async def get_batch(self) -> list[WorkerEvent]:
+        """Every event delivered since the last call (at least one), in order."""
+        await self._wait()
+        items, self._items = self._items, []
+        return items
 
     async def get(self) -> WorkerEvent:
-        return await self.queue.get()
+        """The next event (for handlers that expect exactly one)."""
+        await self._wait()
+        return self._items.pop(0)

@@ -63,6 +63,8 @@ def parser(role: str, add_role_args: Callable[[argparse.ArgumentParser], None] |
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--attention-backend", default=eng.attention_backend)
     p.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly (CUDA)")
+    p.add_argument("--stream-interval", type=int, default=sched.stream_interval,
+                   help="send a running request's tokens every N of them (decode, mixed)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each decode step's tokens back before launching the next (CUDA)")
     p.add_argument("--router", default=None, help="router gRPC address to register with")
@@ -96,7 +98,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           max_context_len=args.max_context_len),
         scheduler=SchedulerConfig(max_running=args.max_running,
                                   chunked_prefill_size=args.chunked_prefill_size,
-                                  overlap_schedule=not args.disable_overlap_schedule))
+                                  overlap_schedule=not args.disable_overlap_schedule,
+                                  stream_interval=args.stream_interval))
 
 
 async def _serve(role: str, args: argparse.Namespace, build: Build) -> int:

@@ -17,7 +17,14 @@ from pdserve.engine.req import Req
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.proto.rpc import load_from_dict, token_chunk
-from pdserve.worker.events import ErrorEvent, EventSink, StageTimes, TokenOutput
+from pdserve.worker.events import (
+    ErrorEvent,
+    EventPump,
+    EventSink,
+    ReqChannel,
+    StageTimes,
+    TokenOutput,
+)
 from pdserve.worker.scheduler_thread import SchedulerThread
 from pdserve.worker.validate import BadRequest, ValidRequest, validate_request
 
@@ -48,8 +55,15 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
         self.rid_by_request: dict[str, str] = {}  # client request id -> latest internal rid
         self.live: set[str] = set()  # internal rids between arrival and the end of their RPC
         self.warmup_s: dict[str, float] = {}  # path -> seconds, run before registering
+        self._pump: EventPump | None = None
 
     # ---- helpers -----------------------------------------------------------------------------
+
+    def channel(self) -> ReqChannel:
+        """A new request's event channel (on the serving loop; one pump for all requests)."""
+        if self._pump is None:
+            self._pump = EventPump(asyncio.get_running_loop())
+        return ReqChannel(self._pump)
 
     async def accept(self, request: pb.PrefillRequest | pb.DecodeRequest,
                      context: grpc.aio.ServicerContext, room_error: str | None
