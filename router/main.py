@@ -15,6 +15,7 @@ from typing import Any
 
 from pdserve.engine.model_shapes import LOAD_FORMATS, shape_names, vocab_size
 from pdserve.engine.served_tokenizer import config_vocab_size
+from pdserve.proto.rpc import run_event_loop
 from pdserve.router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
 from pdserve.router.k8s_discovery import K8sDiscoveryConfig
 from pdserve.router.prepare import load_tokenizer
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab = dummy_vocab_size(args)
         tokenizer = load_tokenizer(config.model_path, vocab) if vocab and config.model_path \
             else None
-        asyncio.run(serve(config, tokenizer))
+        run_event_loop(serve(config, tokenizer))
     except KeyboardInterrupt:
         pass
     except ValueError as e:  # e.g. --discovery k8s outside a pod without --k8s-api

@@ -22,6 +22,7 @@ from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig
 from pdserve.engine.model_shapes import add_model_source_args
 from pdserve.engine.warmup import warm_up
+from pdserve.proto.rpc import run_event_loop
 from pdserve.worker.router_link import RouterLink
 from pdserve.worker.scheduler_thread import SchedulerThread
 from pdserve.worker.server import install_signal_handlers, set_health, start_grpc_server
@@ -156,7 +157,7 @@ def run(role: str, argv: list[str] | None, build: Build,
 
         torch.set_num_threads(args.threads)
     try:
-        return asyncio.run(_serve(role, args, build))
+        return run_event_loop(_serve(role, args, build))
     except (ValueError, OSError) as e:
         print(f"pdserve {role}: error: {e}", file=sys.stderr)
         return 2
