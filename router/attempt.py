@@ -72,6 +72,7 @@ class Attempt:
     _finishing: bool = False  # the answer is complete (or the attempt over): no interrupts
     _last_heard: float = 0.0
     _watchdog: asyncio.TimerHandle | None = None
+    _prefill_seen: bool = False
 
     @property
     def prefill_addr(self) -> str:
@@ -103,6 +104,10 @@ class Attempt:
             self._watchdog = loop.call_later(LIVENESS_CHECK_S, self._watch, prefill_task)
             while True:
                 msg = await self._read()
+                if prefill_task is not None and prefill_task.done():
+                    self._on_prefill(prefill_task)  # before its callback: it outranks decode
+                if self._interrupt is not None:  # also when it raced a message that arrived
+                    msg = None
                 if msg is None:  # interrupted
                     if self._interrupt == "abort":
                         yield self._final(self.text.finish("abort"), [], None, "abort", None)
@@ -183,8 +188,9 @@ class Attempt:
             self._interrupt_with("abort")
 
     def _on_prefill(self, task: asyncio.Task) -> None:
-        if self._finishing:
+        if self._finishing or self._prefill_seen:
             return
+        self._prefill_seen = True
         self._last_heard = time.monotonic()
         try:
             self._take_prefill(task)
