@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from pdserve.engine.req import Req
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stop import TextStream
+from pdserve.engine.warmup import warm_up
 
 
 @dataclass
@@ -87,6 +89,21 @@ class LLM:
         self.scheduler = _OfflineScheduler(parts.runner, parts.memory, cfg.scheduler)
         self._ids = itertools.count()
         self.last_generate_s = 0.0
+
+    def set_max_running(self, max_running: int) -> None:
+        """Run at most `max_running` requests at once from now on (an offline stand-in for that
+        many clients in a closed loop); at most the value the engine was built with, which
+        sized its request slots and CUDA graphs."""
+        built = self.config.scheduler.max_running
+        if not 0 < max_running <= built:
+            raise ValueError(f"max_running: must be in [1, {built}], got {max_running}")
+        self.scheduler = _OfflineScheduler(
+            self.scheduler.runner, self.memory,
+            dataclasses.replace(self.config.scheduler, max_running=max_running))
+
+    def warm_up(self) -> dict[str, float]:
+        """Run the paths of the first requests once (engine/warmup.py); {path: seconds}."""
+        return warm_up(self.scheduler)
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, list):

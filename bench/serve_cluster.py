@@ -1,0 +1,161 @@
+"""The processes of `scripts/serve-bench`: the offline engine's run, and per topology a
+`pdserve up` cluster driven by `pdserve bench` (with the router's and workers' CPU use sampled
+from /proc over each workload), then stopped."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from pdserve.bench.serve_compare import Workload, bench_args
+
+TOPOLOGIES = {"mixed": ("0", "0", "1"), "pd": ("1", "1", "0")}  # prefill, decode, mixed
+_CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _run(cmd: list[str], log: str, timeout_s: float) -> subprocess.CompletedProcess:
+    with open(log, "w", encoding="utf-8") as f:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True,
+                              timeout=timeout_s, check=False)
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(proc.stdout)
+    if proc.returncode not in (0, 1):  # pdserve bench exits 1 when some requests failed
+        raise RuntimeError(f"{' '.join(cmd[:4])}... exited {proc.returncode}; see {log}")
+    return proc
+
+
+def run_offline(args: argparse.Namespace, report: dict) -> dict:
+    t0 = time.perf_counter()
+    out = os.path.join(args.out, "offline.json")
+    cmd = [sys.executable, "-m", "pdserve.bench.serve_offline", "--device", args.device,
+           "--model-shape", args.model_shape, "--num-pages", str(args.num_pages),
+           "--seed", str(args.seed), *(["--quick"] if args.quick else []), "--out", out]
+    _run(cmd, os.path.join(args.out, "offline.log"), 900)
+    report["phases_s"]["offline"] = time.perf_counter() - t0
+    with open(out, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _children(pid: int) -> dict[str, int]:
+    """{role: pid} of the processes `pdserve up` (pid) started."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"pdserve" in argv:
+            role = argv[argv.index(b"pdserve") + 1].decode()
+            out[role if role not in out else f"{role}2"] = int(entry)
+    return out
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's finished children (the load generator, once it exits)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class Cluster:
+    def __init__(self, args: argparse.Namespace, topo: str) -> None:
+        prefill, decode, mixed = TOPOLOGIES[topo]
+        cmd = [sys.executable, "-m", "pdserve", "up", "--model-shape", args.model_shape,
+               "--device", args.device, "--port", "0", "--prefill", prefill, "--decode", decode,
+               "--mixed", mixed, "--worker-arg=--max-running=256",
+               f"--worker-arg=--num-pages={args.num_pages}"]
+        self.log = open(os.path.join(args.out, f"cluster-{topo}.log"), "w", encoding="utf-8")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.url = ""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.write(line)
+            if line.startswith("pdserve ready"):
+                self.url = line.split()[2]
+                break
+        if not self.url:
+            raise RuntimeError(f"pdserve up ({topo}) exited {self.proc.wait()} before ready")
+        self.ready_s = time.perf_counter() - t0
+        self.log.flush()
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.pids = _children(self.proc.pid)
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self.log.write(line)
+
+    def cpu(self) -> dict[str, float]:
+        return {role: _cpu_s(pid) for role, pid in self.pids.items()}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
+def _summary(bench: dict, cpu0: dict[str, float], cpu1: dict[str, float]) -> dict:
+    dur = max(bench["duration_s"], 1e-9)
+    out = {"output_tok_s": bench["output_throughput"], "completed": bench["completed"],
+           "failed": bench["failed"], "ttft_p50_ms": bench["ttft_ms"]["p50"],
+           "itl_p50_ms": bench["itl_ms"]["p50"], "tpot_mean_ms": bench["tpot_ms"]["mean"],
+           "duration_s": bench["duration_s"], "errors": bench["errors"]}
+    # % of one core over the run (the warm-up requests included, a few percent of it).
+    out["cpu_pct"] = {r: round(100 * (cpu1[r] - cpu0.get(r, 0.0)) / dur, 1) for r in cpu1}
+    return out
+
+
+def run_served(args: argparse.Namespace, loads: tuple[Workload, ...], topo: str,
+               report: dict) -> dict:
+    from pdserve.bench.serve_check import independent_check
+    from pdserve.engine.default_model import default_tokenizer_path
+
+    t0 = time.perf_counter()
+    tok = default_tokenizer_path()
+    cluster = Cluster(args, topo)
+    result: dict = {"ready_s": cluster.ready_s}
+    try:
+        for w in loads:
+            cpu0 = cluster.cpu()
+            cmd = [sys.executable, "-m", "pdserve", "bench", "--base-url", cluster.url,
+                   *bench_args(w, args.seed, tok), "--json", "--no-progress"]
+            client0 = _children_cpu_s()
+            proc = _run(cmd, os.path.join(args.out, f"bench-{topo}-{w.name}.log"), 900)
+            bench = json.loads(proc.stdout.strip().splitlines()[-1])
+            cpu1 = dict(cluster.cpu(), client=_children_cpu_s() - client0)
+            result[w.name] = _summary(bench, dict(cpu0, client=0.0), cpu1)
+            print(f"{topo} {w.name}: {json.dumps(result[w.name])}", flush=True)
+            if topo == "mixed" and w.name == "b" and not args.no_check:
+                report["check"] = independent_check(cluster.url, w, args.seed, args.out)
+                report["check"]["bench_tok_s"] = result[w.name]["output_tok_s"]
+                print(f"check: {json.dumps(report['check'])}", flush=True)
+    finally:
+        cluster.stop()
+    report["phases_s"][topo] = time.perf_counter() - t0
+    return result

@@ -1,0 +1,155 @@
+"""`scripts/serve-bench`: the offline engine against the served path on the same workloads, in
+one run, and a table of ratios last.
+
+    python -m pdserve.bench.serve_compare [--device cuda] [--quick] [--out DIR]
+
+Workloads (GPU sizes; `--quick` shrinks them for a CPU smoke run): (a) one client, 2,048-token
+prompts -> 32 tokens; (b) 64 clients, 512 -> 256; (c) 256 clients, 512 -> 256, each client in
+a closed loop. Steps: the offline engine in a process of its own (serve_offline.py); then a
+cluster of one `mixed` worker and one of a prefill and a decode worker (`pdserve up` with the
+same model shape, request slots and KV pages), each driven by `pdserve bench` through HTTP on
+every workload, and once (workload b, mixed) by an independent client (serve_check.py). Every
+prompt is the same token ids on every side (pdserve bench's generator, exact lengths from the
+embedded tokenizer). Logs and serve_bench.json go to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from pdserve.engine.model_shapes import shape_names
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    clients: int
+    input_len: int
+    output_len: int
+    num_prompts: int
+
+
+GPU_WORKLOADS = (Workload("a", 1, 2048, 32, 8), Workload("b", 64, 512, 256, 192),
+                 Workload("c", 256, 512, 256, 384))
+QUICK_WORKLOADS = (Workload("a", 1, 128, 8, 2), Workload("b", 4, 32, 16, 8),
+                   Workload("c", 8, 32, 16, 16))
+BENCH_WARMUP = 2  # pdserve bench's warm-up requests (they come first from its generator)
+TARGETS = {"mixed": 0.95, "pd": 0.90}  # served output tok/s over the offline engine's
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """What the offline and the served side must agree on."""
+    p.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    p.add_argument("--model-shape", default=None, choices=shape_names(),
+                   help="default: llama3-8b on CUDA, tiny with --quick")
+    p.add_argument("--quick", action="store_true", help="small workloads (a CPU smoke run)")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help="KV pages per worker (default: enough for workload c)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def workloads_of(args: argparse.Namespace) -> tuple[Workload, ...]:
+    if args.model_shape is None:
+        args.model_shape = "tiny" if args.quick else "llama3-8b"
+    loads = QUICK_WORKLOADS if args.quick else GPU_WORKLOADS
+    if args.num_pages is None:  # every client of the largest load at full length, and 25%
+        need = max(w.clients * -(-(w.input_len + w.output_len) // 16) for w in loads)
+        args.num_pages = need * 5 // 4 + 64
+    return loads
+
+
+def bench_args(w: Workload, seed: int, tokenizer: str) -> list[str]:
+    """`pdserve bench` flags of workload `w` (prompts as exact token ids)."""
+    return ["--num-prompts", str(w.num_prompts), "--max-concurrency", str(w.clients),
+            "--input-len", str(w.input_len), "--output-len", str(w.output_len),
+            "--seed", str(seed), "--tokenizer", tokenizer, "--warmup", str(BENCH_WARMUP),
+            "--temperature", "0"]
+
+
+def prompts(w: Workload, seed: int) -> list[list[int]]:
+    """The token ids `pdserve bench` sends for `w` (after its warm-up requests)."""
+    from pdserve.bench.serve_config import config_from_args
+    from pdserve.bench.serve_workload import build_workload
+    from pdserve.engine.default_model import default_tokenizer_path
+
+    cfg = config_from_args(bench_args(w, seed, default_tokenizer_path()))
+    return [r.prompt for r in build_workload(cfg, warmup=cfg.warmup)[cfg.warmup:]]
+
+
+def _row(name: str, metric: str, offline: float | None, served: dict[str, float | None],
+         unit: str, target: str) -> list[str]:
+    def fmt(v: float | None) -> str:
+        return "-" if v is None else f"{v:,.1f}"
+
+    def ratio(v: float | None) -> str:
+        return "-" if v is None or not offline else f"{v / offline:.3f}"
+
+    return [name, metric, fmt(offline), fmt(served.get("mixed")), ratio(served.get("mixed")),
+            fmt(served.get("pd")), ratio(served.get("pd")), unit, target]
+
+
+def table(report: dict) -> str:
+    """The ratios: served over offline (throughput), TTFT and ITL against their targets."""
+    off, served = report["offline"], report["served"]
+    rows = [["workload", "metric", "offline", "mixed", "ratio", "1P1D", "ratio", "unit",
+             "target"]]
+    a = off["workloads"].get("a", {})
+    get = {topo: served.get(topo, {}).get("a", {}) for topo in ("mixed", "pd")}
+    rows.append(_row("(a) 1 client", "TTFT p50", a.get("ttft_ms"),
+                     {t: g.get("ttft_p50_ms") for t, g in get.items()}, "ms",
+                     "<= 1.05x offline + 2 ms"))
+    rows.append(_row("(a) 1 client", "ITL p50 vs roofline", off.get("roofline_ms"),
+                     {t: g.get("itl_p50_ms") for t, g in get.items()}, "ms",
+                     "<= 1.12x roofline"))
+    rows.append(["(a) 1 client", "ITL offline", f"{a.get('itl_ms', 0):,.2f}", "", "", "", "",
+                 "ms", ""])
+    for w in report["workloads"]:
+        if w["clients"] == 1:
+            continue
+        tok = {t: served.get(t, {}).get(w["name"], {}).get("output_tok_s") for t in TARGETS}
+        rows.append(_row(f"({w['name']}) {w['clients']} clients", "output tok/s",
+                         off["workloads"].get(w["name"], {}).get("output_tok_s"), tok, "tok/s",
+                         ">= 0.95 mixed, >= 0.90 1P1D"))
+    check = report.get("check")
+    if check:
+        rows.append(["(b) check", f"{check['client']} tok/s vs pdserve bench",
+                     f"{check['bench_tok_s']:,.1f}", f"{check['output_tok_s']:,.1f}",
+                     f"{check['output_tok_s'] / max(check['bench_tok_s'], 1e-9):.3f}", "",
+                     "", "tok/s", "~1.0"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(wd) for c, wd in zip(r, widths)) for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pdserve.bench.serve_cluster import run_offline, run_served
+
+    p = argparse.ArgumentParser(prog="scripts/serve-bench", description=__doc__.splitlines()[0])
+    add_workload_args(p)
+    p.add_argument("--out", default=os.environ.get("OUT") or "serve-bench-out")
+    p.add_argument("--topologies", default="mixed,pd", help="served clusters to run")
+    p.add_argument("--no-check", action="store_true", help="skip the independent client")
+    args = p.parse_args(argv)
+    loads = workloads_of(args)
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.perf_counter()
+    report: dict = {"args": vars(args), "workloads": [asdict(w) for w in loads], "served": {},
+                    "phases_s": {}}
+    report["offline"] = run_offline(args, report)
+    for topo in [t for t in args.topologies.split(",") if t]:
+        report["served"][topo] = run_served(args, loads, topo, report)
+    report["phases_s"]["total"] = time.perf_counter() - t0
+    with open(os.path.join(args.out, "serve_bench.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    print(f"== serve-bench: {args.model_shape} on {report['offline'].get('gpu') or args.device}"
+          f", {report['phases_s']['total']:.0f} s; logs and serve_bench.json in {args.out}")
+    print(table(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
