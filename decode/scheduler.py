@@ -75,11 +75,17 @@ class DecodeScheduler(Scheduler):
 
     # ---- hooks: streaming --------------------------------------------------------------------
 
+    def stream_interval(self) -> int:
+        """Tokens per message of a running request: the configured interval, or more when so
+        many requests run that one message each per step would be too many."""
+        cfg = self.config
+        return max(cfg.stream_interval, -(-len(self.running) // cfg.stream_messages_per_step))
+
     def on_tokens(self, req: DecodeReq, num_new: int) -> None:
         unsent = len(req.output_ids) - req.num_streamed
         if req.finished:
             req.last_tokens = TokenOutput.last_of(req, unsent)
-        elif req.num_streamed == 0 or unsent >= self.config.stream_interval:
+        elif req.num_streamed == 0 or unsent >= self.stream_interval():
             req.sink.put(TokensEvent(TokenOutput.last_of(req, unsent)))
             req.num_streamed += unsent
 

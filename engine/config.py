@@ -95,12 +95,20 @@ class SchedulerConfig:
     # Decode workers stream a running request's tokens every this many of its tokens (the first
     # and the last at once): fewer, larger messages at the cost of burstier streams.
     stream_interval: int = 1
+    # ... and every ceil(running / this) tokens, so that a decode step sends about this many
+    # messages however many requests run: each message costs the worker's and the router's
+    # event loops tens of microseconds, the same for one token as for ten, and past a few
+    # thousand a second they fall behind the engine (docs/performance.md, "Serving path").
+    stream_messages_per_step: int = 32
 
     def __post_init__(self) -> None:
         if self.max_running <= 0:
             raise ValueError(f"max_running: must be positive, got {self.max_running}")
         if self.stream_interval <= 0:
             raise ValueError(f"stream_interval: must be positive, got {self.stream_interval}")
+        if self.stream_messages_per_step <= 0:
+            raise ValueError("stream_messages_per_step: must be positive, got "
+                             f"{self.stream_messages_per_step}")
         if self.chunked_prefill_size <= 0:
             raise ValueError(
                 f"chunked_prefill_size: must be positive, got {self.chunked_prefill_size}")

@@ -66,6 +66,10 @@ def parser(role: str, add_role_args: Callable[[argparse.ArgumentParser], None] |
     p.add_argument("--disable-cuda-graph", action="store_true", help="decode eagerly (CUDA)")
     p.add_argument("--stream-interval", type=int, default=sched.stream_interval,
                    help="send a running request's tokens every N of them (decode, mixed)")
+    p.add_argument("--stream-messages-per-step", type=int,
+                   default=sched.stream_messages_per_step,
+                   help="with more requests running, send each one's tokens every "
+                        "ceil(running / N) steps (decode, mixed)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each decode step's tokens back before launching the next (CUDA)")
     p.add_argument("--router", default=None, help="router gRPC address to register with")
@@ -100,7 +104,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_running=args.max_running,
                                   chunked_prefill_size=args.chunked_prefill_size,
                                   overlap_schedule=not args.disable_overlap_schedule,
-                                  stream_interval=args.stream_interval))
+                                  stream_interval=args.stream_interval,
+                                  stream_messages_per_step=args.stream_messages_per_step))
 
 
 async def _serve(role: str, args: argparse.Namespace, build: Build) -> int:
