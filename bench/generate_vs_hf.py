@@ -82,7 +82,8 @@ def main() -> None:
     lo, _, hi = args.output_len.partition(":")
     rng = random.Random(1)
     lens = [rng.randint(int(lo), int(hi or lo)) for _ in prompts]
-    llm = LLM(model=path, max_running=args.num_prompts, cpu_kernels=not args.no_cpu_kernels)
+    llm = LLM(model=path, device="cpu", max_running=args.num_prompts,
+              cpu_kernels=not args.no_cpu_kernels)
     sp = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     ours_s = hf_s = float("inf")

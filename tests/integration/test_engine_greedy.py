@@ -38,7 +38,7 @@ def _assert_idle(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path) -> LLM:
-    return LLM(model=smollm2_path, num_pages=512, max_running=16)
+    return LLM(model=smollm2_path, device="cpu", num_pages=512, max_running=16)
 
 
 def test_single_prompts_equal_hf(llm, smollm2_path):
@@ -59,7 +59,8 @@ def test_mixed_batch_equals_hf(llm, smollm2_path):
 
 
 def test_small_chunked_prefill_equals_hf(smollm2_path):
-    small = LLM(model=smollm2_path, num_pages=256, chunked_prefill_size=5, page_size=4)
+    small = LLM(model=smollm2_path, device="cpu", num_pages=256, chunked_prefill_size=5,
+                page_size=4)
     ids = _ids(smollm2_path, PROMPTS[2])
     assert small.generate([ids], GREEDY)[0].token_ids == hf_greedy(smollm2_path, ids, 12)
     _assert_idle(small)
@@ -81,7 +82,7 @@ def test_prefix_cache_hit_equals_hf(llm, smollm2_path):
 def test_retraction_keeps_greedy_output(smollm2_path):
     # 8 requests of ~20 prompt + 24 output tokens need far more than 24 pages of 4 tokens:
     # decode runs out of KV, retracts, and recomputes later without losing tokens.
-    tight = LLM(model=smollm2_path, num_pages=40, page_size=4, max_running=8)
+    tight = LLM(model=smollm2_path, device="cpu", num_pages=40, page_size=4, max_running=8)
     batch = [_ids(smollm2_path, p) for p in PROMPTS + PROMPTS[:3]]
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outs = tight.generate(batch, sp)
@@ -104,7 +105,7 @@ def test_cpu_fast_paths_are_used(llm, smollm2_path):
 
 
 def test_plain_torch_path_equals_hf(smollm2_path):
-    plain = LLM(model=smollm2_path, num_pages=256, max_running=8, cpu_kernels=False)
+    plain = LLM(model=smollm2_path, device="cpu", num_pages=256, max_running=8, cpu_kernels=False)
     runner = plain.scheduler.runner
     assert not isinstance(runner.model.layers[0].mlp.gate_up_proj, PackedLinearWeight)
     assert not runner.attn_backend.cpu_kernel

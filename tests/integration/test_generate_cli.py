@@ -81,7 +81,7 @@ def test_prompt_past_context(tiny_model_dir, tmp_path):
 
 
 def test_errors_leave_no_pages_held(tiny_model_dir):
-    llm = LLM(model=tiny_model_dir, num_pages=64, page_size=4)
+    llm = LLM(model=tiny_model_dir, device="cpu", num_pages=64, page_size=4)
     ok = list(range(3, 20))
     too_long = [3 + i % 200 for i in range(llm.memory.max_context_len + 1)]
     with pytest.raises(ValueError, match="context"):

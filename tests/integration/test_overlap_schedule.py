@@ -31,7 +31,7 @@ def _params(stop_tok: int) -> list[SamplingParams]:
 
 def _run(model_dir: str, overlap: bool, num_pages: int, stop_tok: int,
          params: list[SamplingParams] | None = None):
-    llm = LLM(model=model_dir, num_pages=num_pages, page_size=4, max_running=4)
+    llm = LLM(model=model_dir, device="cpu", num_pages=num_pages, page_size=4, max_running=4)
     launches = []
     if overlap:
         ov = OverlapDecoder(llm.scheduler)
@@ -47,7 +47,7 @@ def _run(model_dir: str, overlap: bool, num_pages: int, stop_tok: int,
 
 @pytest.fixture(scope="module")
 def stop_tok(tiny_model_dir) -> int:
-    llm = LLM(model=tiny_model_dir, num_pages=64, page_size=4)
+    llm = LLM(model=tiny_model_dir, device="cpu", num_pages=64, page_size=4)
     out = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=9, temperature=0,
                                                     ignore_eos=True))[0]
     return out.token_ids[4]  # greedy reaches it mid-way: a stop that overlap must catch
@@ -73,7 +73,7 @@ def test_overlap_matches_synchronous_decode(tiny_model_dir, stop_id: int, num_pa
 
 
 def test_overlap_abort_mid_flight_releases_everything(tiny_model_dir, stop_tok: int):
-    llm = LLM(model=tiny_model_dir, num_pages=64, page_size=4, max_running=4)
+    llm = LLM(model=tiny_model_dir, device="cpu", num_pages=64, page_size=4, max_running=4)
     llm.scheduler.overlap = OverlapDecoder(llm.scheduler)
     from pdserve.engine.llm import OfflineReq
     from pdserve.engine.stop import TextStream
