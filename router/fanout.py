@@ -119,7 +119,8 @@ class FanOut:
     async def close(self) -> None:
         """Cancel what still runs; each flow's cleanup sends its Aborts."""
         if self._single is not None:
-            await self._single.aclose()  # type: ignore[attr-defined]
+            if not getattr(self._single, "ag_running", False):  # else its task closes it
+                await self._single.aclose()  # type: ignore[attr-defined]
             return
         for task in self._tasks:
             task.cancel()

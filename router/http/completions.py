@@ -115,7 +115,8 @@ async def _respond(core: RouterCore, request: Request, req: Any,
     finally:
         watch.cancel()
         if not collect.done():
-            collect.cancel()
+            collect.cancel()  # and let it unwind: a single flow runs inside that task
+            await asyncio.gather(collect, return_exceptions=True)
         await fan.close()
     error = collect.result()
     if error is not None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -137,6 +138,22 @@ async def test_client_disconnect_aborts_both_legs(cluster):
     assert await wait_for(lambda: p.aborts and d.aborts)
     assert p.aborts[0].room == room and d.aborts[0].room == room
     assert d.aborts[0].request_id == d.decode_requests[0].request_id
+    assert await wait_for(lambda: d.decode_cancelled == 1)
+    assert await wait_for(lambda: all(w.inflight == 0 for w in router.core.registry.all()))
+
+
+async def test_client_disconnect_before_a_full_answer_aborts_both_legs(cluster):
+    router, fakes = await cluster(worker_kw={"token_delay_s": 0.05})
+    url = f"http://127.0.0.1:{router.http_port}/v1/completions"
+    body = {"prompt": "hi", "max_tokens": 200}
+    async with httpx.AsyncClient() as http:
+        call = asyncio.ensure_future(http.post(url, json=body))
+        d = fakes["decode"][0]
+        assert await wait_for(lambda: d.decode_requests)
+        await asyncio.sleep(0.3)
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+    assert await wait_for(lambda: fakes["prefill"][0].aborts and d.aborts)
     assert await wait_for(lambda: d.decode_cancelled == 1)
     assert await wait_for(lambda: all(w.inflight == 0 for w in router.core.registry.all()))
 

@@ -19,7 +19,9 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer, decode_fn
 from pdserve.engine.served_tokenizer import fold_vocab
 from pdserve.engine.stop import StopChecker, TextStream
 from pdserve.router import openai_format as fmt
+from pdserve.router.errors import RouterError, UpstreamFailed
 from pdserve.router.events import FlowEvent
+from pdserve.router.fanout import FanOut
 from pdserve.router.http.sse import TextChunks, _data
 from pdserve.router.metrics import CountedHistogram
 from pdserve.worker.events import EventPump, ReqChannel, TokenOutput, TokensEvent
@@ -167,3 +169,45 @@ def test_stream_interval_is_validated() -> None:
 
     with pytest.raises(ValueError, match="stream_interval"):
         SchedulerConfig(stream_interval=0)
+
+
+async def _flow(n: int, error: Exception | None = None, closed: list | None = None):
+    try:
+        for i in range(n):
+            await asyncio.sleep(0.01)
+            yield FlowEvent(request_id="r", text=str(i))
+        if error is not None:
+            raise error
+    finally:
+        if closed is not None:
+            closed.append(True)
+
+
+async def test_a_single_flow_read_in_place() -> None:
+    fan = FanOut([_flow(3)])
+    await fan.prime()
+    assert [e.text for _, e in [x async for x in fan.events()]] == ["0", "1", "2"]
+    await fan.close()
+    fan = FanOut([_flow(0, UpstreamFailed("gone", code="worker_failed"))])
+    with pytest.raises(UpstreamFailed, match="gone"):
+        await fan.prime()  # an error before any output: the HTTP status
+    fan = FanOut([_flow(2, ValueError("bug"))])
+    await fan.prime()
+    with pytest.raises(RouterError, match="internal error: ValueError"):
+        async for _ in fan.events():
+            pass
+    closed: list = []
+    fan = FanOut([_flow(100, closed=closed)])
+    await fan.prime()
+
+    async def drain() -> None:
+        async for _ in fan.events():
+            pass
+
+    task = asyncio.ensure_future(drain())
+    await asyncio.sleep(0.05)
+    task.cancel()  # as a client that went away: the flow unwinds in the reading task
+    await fan.close()  # while that task still runs the flow: no error
+    await asyncio.gather(task, return_exceptions=True)
+    await fan.close()
+    assert closed == [True]
