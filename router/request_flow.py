@@ -123,7 +123,9 @@ class RequestFlow:
                     exclude.add(failure.worker.worker_id)
                     if failure.leg == "decode" and prefill is not None:
                         exclude.add(prefill.worker_id)  # a fresh pair, not only a fresh leg
-                    last = attempt_no == self.config.retries
+                    # A request a worker called invalid is invalid on every worker of the model.
+                    last = attempt_no == self.config.retries or \
+                        failure.code == grpc.StatusCode.INVALID_ARGUMENT
                     if attempt.sent_tokens:
                         yield FlowEvent(request_id=req.request_id, error=failure.message(),
                                         prefill_worker=attempt.prefill_addr,

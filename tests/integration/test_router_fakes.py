@@ -28,7 +28,8 @@ class FakeWorker(pb_grpc.WorkerServicer):
     token_delay_s: float = 0.0
     cached_tokens: int = 3
     fail_prefill: int = 0  # the next N Prefill calls fail with UNAVAILABLE
-    fail_decode: int = 0  # the next N Decode calls fail before any token
+    fail_decode: int = 0  # the next N Decode calls fail before any token (with fail_code)
+    fail_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
     fail_decode_after: int | None = None  # Decode fails after this many tokens
     load: pb.WorkerLoad = field(default_factory=lambda: pb.WorkerLoad(kv_pages_total=100,
                                                                       kv_pages_free=90))
@@ -86,7 +87,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self.decode_requests.append(request)
         if self.fail_decode > 0:
             self.fail_decode -= 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "injected decode failure")
+            await context.abort(self.fail_code, "injected decode failure")
         sp = request.sampling
         max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 16
         want_lp = sp.HasField("logprobs")

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import httpx
 import openai
+import pytest
 from test_router_fakes import cluster, tokenizer, wait_for  # noqa: F401 (fixtures)
 
 from pdserve.router.server import RouterServer
@@ -123,6 +125,15 @@ async def test_mid_stream_failure_ends_with_error_event(cluster):
     assert events[-1] == "[DONE]"
     assert "error" in json.loads(events[-2])
     assert len(fakes["decode"][0].decode_requests) == 1  # no retry after tokens went out
+
+
+async def test_no_retry_of_a_request_a_worker_called_invalid(cluster):
+    router, fakes = await cluster()
+    decode = fakes["decode"][0]
+    decode.fail_decode, decode.fail_code = 2, grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(openai.InternalServerError, match="INVALID_ARGUMENT"):
+        await _client(router).completions.create(model="tiny", prompt="hi", max_tokens=3)
+    assert len(decode.decode_requests) == 1
 
 
 async def test_client_disconnect_aborts_both_legs(cluster):
