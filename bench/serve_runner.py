@@ -77,6 +77,18 @@ async def fetch_text(http: httpx.AsyncClient, path: str) -> str:
         return ""
 
 
+async def resolve_model(http: httpx.AsyncClient, model: str | None) -> str:
+    """The asked-for model, else the first id the router lists."""
+    if model is not None:
+        return model
+    resp = await http.get("/v1/models", timeout=10.0)
+    resp.raise_for_status()
+    data = resp.json().get("data") or []
+    if not data:
+        raise ValueError("model: the router lists no models; pass --model")
+    return str(data[0]["id"])
+
+
 async def _poll_workers(http: httpx.AsyncClient, t0: float, interval_s: float,
                         out: list[QueueSample]) -> None:
     while True:
