@@ -1,5 +1,6 @@
-"""The SLO dispatcher on a real tiny cluster: decisions carry its estimates, it learns the
-prefill rate from first tokens, and every page comes back."""
+"""On a real tiny CPU cluster: `pdserve up --spatial` says why it takes the plain path, and
+the SLO dispatcher's decisions carry its estimates (it learns the prefill rate from first
+tokens); every page comes back."""
 
 from __future__ import annotations
 
@@ -19,10 +20,16 @@ def _complete(url: str, prompt: str) -> dict:
 
 
 @pytest.mark.timeout(180)
-def test_slo_dispatch_learns_and_reports(tiny_model_dir):
+def test_spatial_plain_path_and_slo_dispatch(tiny_model_dir):
     c = start_cluster(tiny_model_dir, prefill=1, decode=1,
-                      router_args=("--slo-ttft-ms=60000", "--slo-itl-ms=60000"))
+                      router_args=("--slo-ttft-ms=60000", "--slo-itl-ms=60000"),
+                      up_args=("--spatial", "--prefill-sm-share", "0.3"))
     try:
+        log = "".join(c.log)
+        assert "--spatial: needs --device cuda (got cpu); prefill and decode share the GPU " \
+            "time-sliced (the plain path)" in log, log[-3000:]
+        assert next(x for x in c.log if x.startswith("pdserve ready")).rstrip().endswith(
+            "spatial=off")
         decisions = []
         for i in range(3):
             out = _complete(c.url, f"request {i} " + "word " * 40)
