@@ -52,6 +52,7 @@ class BenchConfig:
     sweep_rates: tuple[float, ...] = ()  # set: one run per Poisson rate (serve_sweep)
     sweep_duration_s: float = 0.0  # > 0: about this many seconds of arrivals per rate
     slo_target: float = 0.9  # attainment a rate must reach to count as sustained
+    sweep_stop_below: float = 0.0  # sweep: no higher rate once attainment fell below this
     label: str = ""  # the run's name in sweep reports and plots
     request_timeout_s: float = 600.0
     poll_interval_s: float = 0.5
@@ -91,6 +92,8 @@ class BenchConfig:
             raise ValueError(f"sweep_duration_s: must be >= 0, got {self.sweep_duration_s}")
         if not 0 < self.slo_target <= 1:
             raise ValueError(f"slo_target: must be in (0, 1], got {self.slo_target}")
+        if not 0 <= self.sweep_stop_below <= 1:
+            raise ValueError(f"sweep_stop_below: must be in [0, 1], got {self.sweep_stop_below}")
 
     @property
     def chat(self) -> bool:
@@ -135,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sweep: about S seconds of arrivals per rate (0: --num-prompts each)")
     p.add_argument("--slo-attainment", type=float, default=0.9,
                    help="sweep: share of requests that must meet both SLOs")
+    p.add_argument("--sweep-stop-below", type=float, default=0.0, metavar="A",
+                   help="sweep: skip the higher rates once attainment fell below A (0 = never)")
     p.add_argument("--label", default="", help="sweep: this run's name in reports and plots")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--poll-interval", type=float, default=0.5, help="seconds between /workers")
@@ -156,6 +161,7 @@ def config_from_args(argv: list[str] | None) -> BenchConfig:
         burstiness=a.burstiness, max_concurrency=a.max_concurrency, warmup=a.warmup,
         temperature=a.temperature, seed=a.seed, slo_ttft_ms=a.slo_ttft, slo_itl_ms=a.slo_itl,
         sweep_rates=parse_rates(a.sweep_rate) if a.sweep_rate is not None else (),
-        sweep_duration_s=a.sweep_duration, slo_target=a.slo_attainment, label=a.label,
+        sweep_duration_s=a.sweep_duration, slo_target=a.slo_attainment,
+        sweep_stop_below=a.sweep_stop_below, label=a.label,
         request_timeout_s=a.request_timeout, poll_interval_s=a.poll_interval,
         output_dir=a.output_dir, json=a.json, progress=not a.no_progress)

@@ -29,6 +29,7 @@ class SweepPoint:
     tpot_p50_ms: float
     tpot_p99_ms: float
     itl_p99_ms: float
+    batch_mean: float = 0.0  # decode (or mixed) requests running, averaged over the run
 
     @classmethod
     def from_summary(cls, rate: float, s: dict) -> SweepPoint:
@@ -38,7 +39,9 @@ class SweepPoint:
                    output_throughput=s["output_throughput"], goodput=s["goodput"],
                    attainment=s["slo_attainment"], ttft_p50_ms=s["ttft_ms"]["p50"],
                    ttft_p99_ms=s["ttft_ms"]["p99"], tpot_p50_ms=s["tpot_ms"]["p50"],
-                   tpot_p99_ms=s["tpot_ms"]["p99"], itl_p99_ms=s["itl_ms"]["p99"])
+                   tpot_p99_ms=s["tpot_ms"]["p99"], itl_p99_ms=s["itl_ms"]["p99"],
+                   batch_mean=sum(v for k, v in s.get("mean_running", {}).items()
+                                  if k in ("decode", "mixed")))
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -112,7 +115,8 @@ def points_from_json(summary: dict) -> list[SweepPoint]:
 def format_sweep_table(summary: dict) -> str:
     slo = summary["slo"]
     head = (f"{'rate':>7}{'sent':>6}{'fail':>6}{'req/s':>8}{'tok/s':>9}{'goodput':>9}"
-            f"{'attain':>8}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>8}{'ITL p99':>9}")
+            f"{'attain':>8}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>8}{'ITL p99':>9}"
+            f"{'batch':>7}")
     title = (f" Rate sweep {summary['label'] or ''} (TTFT <= {slo['ttft_ms']:g} ms, "
              f"TPOT <= {slo['itl_ms']:g} ms) ")
     lines = [f"{title:=^{len(head)}}", head]
@@ -120,7 +124,7 @@ def format_sweep_table(summary: dict) -> str:
         lines.append(f"{p.rate:>7.3g}{p.sent:>6}{p.failed:>6}{p.request_throughput:>8.2f}"
                      f"{p.output_throughput:>9.0f}{p.goodput:>9.2f}{100 * p.attainment:>7.0f}%"
                      f"{p.ttft_p50_ms:>10.1f}{p.ttft_p99_ms:>9.1f}{p.tpot_p50_ms:>10.2f}"
-                     f"{p.tpot_p99_ms:>8.2f}{p.itl_p99_ms:>9.2f}")
+                     f"{p.tpot_p99_ms:>8.2f}{p.itl_p99_ms:>9.2f}{p.batch_mean:>7.1f}")
     best, interp = summary["max_rate"], summary["max_rate_interpolated"]
     pct = f"{100 * summary['target']:g}%"
     if best is None:

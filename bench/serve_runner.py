@@ -27,6 +27,7 @@ class BenchClient(Protocol):
 class QueueSample:
     t_s: float  # seconds since the run began
     depth: dict[str, int]  # role -> sum of num_waiting + num_running over its workers
+    running: dict[str, int] = field(default_factory=dict)  # role -> sum of num_running
 
 
 @dataclass
@@ -95,11 +96,13 @@ async def _poll_workers(http: httpx.AsyncClient, t0: float, interval_s: float,
         try:
             resp = await http.get("/workers", timeout=5.0)
             depth: dict[str, int] = {}
+            running: dict[str, int] = {}
             for w in resp.json().get("workers", []):
                 role = str(w.get("role", "?"))
-                n = int(w.get("num_waiting", 0)) + int(w.get("num_running", 0))
-                depth[role] = depth.get(role, 0) + n
-            out.append(QueueSample(time.perf_counter() - t0, depth))
+                n = int(w.get("num_running", 0))
+                depth[role] = depth.get(role, 0) + n + int(w.get("num_waiting", 0))
+                running[role] = running.get(role, 0) + n
+            out.append(QueueSample(time.perf_counter() - t0, depth, running))
         except (httpx.HTTPError, OSError, ValueError, AttributeError):
             pass  # a missed sample is fine; the run goes on
         await asyncio.sleep(interval_s)

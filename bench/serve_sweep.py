@@ -66,10 +66,15 @@ async def run_sweep(cfg: BenchConfig) -> tuple[str, list[RateRun]]:
                 outcome = await run_bench(rcfg, client, requests[:warm], requests[warm:], http)
                 summary = serve_metrics.summarize(rcfg, outcome)
                 runs.append(RateRun(rcfg, outcome, summary))
-                if cfg.progress or not cfg.json:
-                    print(f"rate {rate:g} req/s: {summary['completed']}/{rcfg.num_prompts} ok, "
-                          f"goodput {summary['goodput']:.2f} req/s, attainment "
-                          f"{100 * summary['slo_attainment']:.0f}%", file=sys.stderr, flush=True)
+                print(f"rate {rate:g} req/s: {summary['completed']}/{rcfg.num_prompts} ok, "
+                      f"goodput {summary['goodput']:.2f} req/s, attainment "
+                      f"{100 * summary['slo_attainment']:.0f}%", file=sys.stderr, flush=True)
+                if summary["slo_attainment"] < cfg.sweep_stop_below:
+                    left = [f"{r:g}" for r in cfg.sweep_rates[i + 1:]]
+                    if left:
+                        print(f"attainment below {cfg.sweep_stop_below:g}: rates "
+                              f"{','.join(left)} not run", file=sys.stderr, flush=True)
+                    break
         finally:
             await client.close()
     return model, runs

@@ -94,6 +94,14 @@ def test_rate_sweep_goodput_and_nothing_leaked(tiny_cluster, tmp_path):
         assert len(rate["requests"]) == point["sent"]
         assert all(r["ok"] and r["output_tokens"] == 4 for r in rate["requests"])
     assert (out / "attainment.png").read_bytes()[:4] == b"\x89PNG"
-    # Every page and slot came back once the sweep ended.
+    # An SLO nobody meets: the sweep stops after the first rate.
+    proc = _bench(tiny_cluster, "--sweep-rate", "4,8", "--sweep-duration", "0.5",
+                  "--input-len", "8", "--output-len", "2", "--warmup", "0", "--slo-ttft", "0.001",
+                  "--sweep-stop-below", "0.5", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rates 8 not run" in proc.stderr
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [p["rate"] for p in line["points"]] == [4] and line["max_rate"] is None
+    # Every page and slot came back once the sweeps ended.
     for w in tiny_cluster.wait_idle():
         assert w["kv_pages_in_use"] == 0 and w["num_running"] == 0 and w["num_waiting"] == 0

@@ -19,7 +19,7 @@ from pdserve.bench.serve_goodput import (
     sweep_summary,
 )
 from pdserve.bench.serve_metrics import summarize
-from pdserve.bench.serve_runner import RunOutcome
+from pdserve.bench.serve_runner import QueueSample, RunOutcome
 from pdserve.bench.serve_sweep import SEED_STRIDE, rate_config
 from pdserve.bench.serve_sweep_plot import comparison_table, load_summary, plot_attainment
 
@@ -54,7 +54,8 @@ def test_parse_rates_and_flags():
     for kw, field in ((dict(sweep_rates=(2.0, 1.0)), "sweep_rates"),
                       (dict(sweep_duration_s=-1.0), "sweep_duration_s"),
                       (dict(slo_target=0.0), "slo_target"),
-                      (dict(slo_target=1.5), "slo_target")):
+                      (dict(slo_target=1.5), "slo_target"),
+                      (dict(sweep_stop_below=2.0), "sweep_stop_below")):
         with pytest.raises(ValueError, match=field):
             BenchConfig(**kw)
 
@@ -75,8 +76,13 @@ def test_goodput_per_rate_counts_both_slos_and_failures():
                _result(1.5, 0.010, 20),   # TTFT too slow
                _result(0.5, 0.020, 20),   # TPOT too slow
                _result(0.0, 0.0, 0, error="HTTP 429")]
-    s = summarize(cfg, RunOutcome(results, duration_s=4.0))
+    queue = [QueueSample(0.5, {"prefill": 3, "decode": 5}, {"prefill": 1, "decode": 4}),
+             QueueSample(1.0, {"decode": 2}, {"decode": 2}),
+             QueueSample(9.0, {}, {"decode": 0})]  # after every request ended: not counted
+    s = summarize(cfg, RunOutcome(results, duration_s=4.0, queue=queue))
+    assert s["mean_running"] == {"decode": 3.0, "prefill": 0.5}
     p = SweepPoint.from_summary(1.25, s)
+    assert p.batch_mean == 3.0
     assert p.sent == 5 and p.failed == 1 and p.completed == 4
     assert p.attainment == pytest.approx(0.4) and p.goodput == pytest.approx(0.5)
     assert p.tpot_p50_ms == pytest.approx(10.0)
