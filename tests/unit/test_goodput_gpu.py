@@ -89,3 +89,16 @@ def test_budget_skips_and_reports(tmp_path, capsys):
     data = json.loads((tmp_path / "goodput.json").read_text())
     assert [r["status"][:8] for r in data["setups"]] == ["skipped:"] * 2
     assert main(["--setups", "gpu"]) == 2
+
+
+def test_interference_summary():
+    from pdserve.bench.gpu_spatial import summarize
+
+    base = summarize({"decode": [10.0, 10.0], "prefill": [100.0]}, None)
+    assert base["decode_per_s"] == pytest.approx(100) and "work" not in base
+    got = summarize({"decode": [10.0, 12.0, 14.0], "prefill": [200.0, 200.0]}, base)
+    assert got["decode_p50_ms"] == 12.0 and 13.9 < got["decode_p99_ms"] <= 14.0
+    # 1000/12 decode steps/s of 100 and 5 prefills/s of 10: 0.83 + 0.5 of a GPU's work.
+    assert got["work"] == pytest.approx(1000 / 12 / 100 + 0.5)
+    with pytest.raises(RuntimeError, match="prefill"):
+        summarize({"decode": [1.0], "prefill": []}, None)
