@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ from pdserve.bench.goodput_setups import Setup, parse_setup, start_cluster
 from pdserve.bench.serve_goodput import points_from_json
 
 MIN_SECTION_S = 100.0  # less left than this: the set-up is skipped
-STOP_RESERVE_S = 25.0  # kept back from a sweep for the step run, stopping and the table
+STOP_RESERVE_S = 40.0  # kept back from a sweep for the step run, stopping and the table
 
 
 @dataclass
@@ -98,7 +99,7 @@ def run_setup(args: argparse.Namespace, setup: Setup, deadline: float) -> Outcom
         with open(os.path.join(out_dir, "error.txt"), "w", encoding="utf-8") as f:
             f.write(traceback.format_exc())
     finally:
-        rc = cluster.stop()
+        rc = cluster.stop(timeout_s=30.0)
         if rc != 0:
             res.notes.append(f"pdserve up exited with {rc}")
     return res
@@ -139,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description=__doc__.splitlines()[0])
     p.add_argument("--setups", default="spatial,mixed:512,timesliced",
                    help="comma-separated KIND[:ARG][+slo][@R1/R2/...] (goodput_setups)")
-    p.add_argument("--out", default=os.environ.get("OUT", "goodput-out"))
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "goodput"),
+                   help="default: $OUT/goodput")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="wall time for all set-ups; one that would not fit is skipped")
     p.add_argument("--model-args", default="--model-shape llama3-8b --load-format dummy",
@@ -161,6 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"goodput_gpu: error: {e}", file=sys.stderr)
         return 2
+    # `timeout` sends SIGTERM: unwind so the running cluster (its own process group) stops.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return run_all(args, setups)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_all(args: argparse.Namespace, setups: list[Setup]) -> int:
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
