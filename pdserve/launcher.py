@@ -192,12 +192,12 @@ def _plan_spatial(args: argparse.Namespace, env: dict[str, str]):  # noqa: ANN20
     message saying why the workers share the GPU time-sliced instead."""
     from pdserve.spatial import plan_spatial
 
-    gpus = _gpu_count() if args.device.startswith("cuda") else 0
+    gpus = _gpu_count() if args.device.startswith(("cuda", "auto")) else 0
+    device = ("cuda" if gpus else "cpu") if args.device == "auto" else args.device
     if args.prefill == 0:
         plan, message = None, "needs prefill and decode workers (there are none to split)"
     else:
-        plan, message = plan_spatial(args.device, gpus, args.prefill_sm_share,
-                                     args.decode_sm_share)
+        plan, message = plan_spatial(device, gpus, args.prefill_sm_share, args.decode_sm_share)
     if plan is None:
         print(f"pdserve up: --spatial: {message}; prefill and decode share the GPU "
               f"time-sliced (the plain path)", file=sys.stderr, flush=True)
