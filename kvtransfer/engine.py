@@ -63,6 +63,11 @@ class TransferEngine(ABC):
         """Start accepting chunks; returns what a sender needs to reach us (JSON-able)."""
 
     # -- sending side (one transfer thread) -----------------------------------------------
+    def connect(self, peer: str, peer_info: dict[str, Any]) -> None:
+        """Set up the connection to a peer at handshake, so that no request waits for it
+        (backends.CONNECT_AT_BOOTSTRAP); raises when the peer cannot be reached. write()
+        connects on its own to a peer it does not know yet."""
+
     @abstractmethod
     def write(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> None:
         """Move the header's descriptors from the local "kv" region into the peer's pool.

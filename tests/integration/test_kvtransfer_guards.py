@@ -41,7 +41,7 @@ def test_forged_destination_is_rejected_and_never_written(prefill: PeerProcess) 
     pool, _ = make_pool(SPEC)
     dmgr = KVManager("decode", pool, CFG, SPEC.fingerprint())
     try:
-        addr = dmgr._decode._transports[0][1]["addr"]  # type: ignore[union-attr]
+        addr = dmgr._decode.engines._info["tcp"]["addr"]  # type: ignore[union-attr]
         r = dmgr.create_receiver(77, prefill.bootstrap_addr)
         prefill.call("create_sender", 77)
         r.init([4, 5, 6])
