@@ -59,14 +59,12 @@ def choose_backend(offers: Sequence[str], configured: str, prefill_host: str,
     same = prefill_host == decode_host
     where = (f"same host {prefill_host!r}" if same else
              f"different hosts (prefill {prefill_host!r}, decode {decode_host!r})")
-    if configured != "auto":
-        order: tuple[str, ...] = (configured,)
-    else:
-        order = (SAME_HOST_BACKENDS if same else ()) + CROSS_HOST_BACKENDS
+    order = (configured,) if configured != "auto" else SAME_HOST_BACKENDS + CROSS_HOST_BACKENDS
     skipped: list[str] = []
     for name in order:
         if name not in offers:
-            skipped.append(f"{name}: decode does not offer it")
+            if configured != "auto" or name not in SAME_HOST_BACKENDS:  # else: not its kind
+                skipped.append(f"{name}: decode does not offer it")
             continue
         if name in SAME_HOST_BACKENDS and not same:
             skipped.append(f"{name}: needs prefill and decode on one host")

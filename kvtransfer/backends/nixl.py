@@ -145,6 +145,7 @@ class NixlEngine(TransferEngine):
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"nixl: WRITE to {peer} not done after {self._timeout}s")
+                time.sleep(0)  # each check progresses the transfer; let other threads run
                 state = agent.check_xfer_state(handle)
             if state != "DONE":
                 raise RuntimeError(f"nixl: WRITE to {peer} failed ({state})")
