@@ -31,6 +31,10 @@ _Connect = tuple[bytes, str, dict[str, Any], Callable[[str | None], None]]
 _Job = _Write | _Connect | bytes | None  # bytes: drop that peer; None: stop
 
 
+def _describe(e: BaseException | None) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
 class TransferThread:
     def __init__(self, pool: torch.Tensor, config: TransferConfig,
                  notify_via_control: Callable[[bytes, tuple[bytes, bytes]], None]) -> None:
@@ -103,13 +107,17 @@ class TransferThread:
 
     def _connect(self, ident: bytes, backend: str, info: dict[str, Any],
                  done: Callable[[str | None], None]) -> None:
-        err = None
         try:
             with self._lock:
-                self._engine(backend).connect(ident.hex(), info)
+                pending = self._engine(backend).connect(ident.hex(), info)
         except Exception as e:  # noqa: BLE001 - the handshake reports it
-            err = f"{type(e).__name__}: {e}"
-        done(err)
+            done(_describe(e))
+            return
+        if pending is None:
+            done(None)
+        else:
+            pending.add_done_callback(
+                lambda f: done(None if f.exception() is None else _describe(f.exception())))
 
     def _write(self, sender: KVSender, header: ChunkHeader) -> None:
         stamp("dequeue", sender.room)

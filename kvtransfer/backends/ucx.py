@@ -23,6 +23,7 @@ import asyncio
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -136,21 +137,29 @@ class UcxEngine(TransferEngine):
                                           device=pool.device)
         return self._stages[b]
 
-    def connect(self, peer: str, peer_info: dict[str, Any]) -> None:
+    def connect(self, peer: str, peer_info: dict[str, Any]) -> Future:
+        """The endpoint, then one warm-up message from each staging buffer and from the pool,
+        on the engine's loop; the returned future says when. The warm-up only reads the
+        buffers: a gather for another peer meanwhile changes nothing the receiver keeps."""
         pool = self.region("kv")
         warm = [self._staging(pool, 0, 1), self._staging(pool, 1, 1), pool[:1]]
 
-        async def _go() -> None:
+        async def _warm() -> None:
             ep = await self._endpoint(peer, peer_info)
             for t in warm:
                 await ep.send_obj(WARM + (t.numel() * t.element_size()).to_bytes(8, "little"))
                 await ep.send(_buf(t))
 
-        try:
-            self._run(_go(), self._timeout)
-        except Exception:
-            self.drop_peer(peer)
-            raise
+        async def _go() -> None:
+            try:
+                await asyncio.wait_for(_warm(), self._timeout)
+            except BaseException:
+                ep = self._eps.pop(peer, None)
+                if ep is not None:
+                    await ep.close()
+                raise
+
+        return asyncio.run_coroutine_threadsafe(_go(), self._loop)
 
     async def _pump(self, ep: Any, q: asyncio.Queue) -> None:
         """Send queued (header, payload, sent-event) items in order."""
