@@ -64,11 +64,11 @@ class DecodeSide:
         self.aux_slots = AuxSlots(config.num_aux_slots)
         self._lock = threading.Lock()  # guards _receivers
         self._receivers: dict[int, KVReceiver] = {}
-        # Engines may place chunks as soon as they start: the room table exists first.
-        self.engines = ReceivingEngines(offers, eager, pool, self.aux_slots.buffer, config,
-                                        self, shm)
         self._aborting: dict[int, tuple[KVReceiver, str, float]] = {}  # control loop only
         self._peers: dict[str, _PrefillPeer] = {}  # control loop only
+        # Engines may place chunks as soon as they start: the room tables exist first.
+        self.engines = ReceivingEngines(offers, eager, pool, self.aux_slots.buffer, config,
+                                        self, shm)
         self.loop = C.ControlLoop(self._tick, min(0.05, config.heartbeat_interval_s / 4),
                                   "kv-decode-control")
         self._last_ping = 0.0
