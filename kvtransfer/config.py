@@ -17,7 +17,7 @@ class TransferConfig:
     pool in shared memory) or cuda_ipc (decode pool on a GPU); across hosts nixl, else ucx,
     else tcp, whichever both sides have. A concrete name pins the backend; a pair it cannot
     serve (shm between two hosts, say) is refused at handshake naming both hosts.
-    host_id: this worker's host identity ("" = PDSERVE_HOST_ID, else hostname + boot id).
+    host_id: this worker's host identity ("" = hostname + kernel boot id).
     bootstrap_port 0 picks a free port (two clusters must run side by side).
     ipc_copy (cuda_ipc, sender side): how scattered pages reach the peer's pool. "triton": one
     kernel copies every page straight into the peer's mapped pool (kernels/page_p2p_copy.py),
@@ -78,6 +78,9 @@ def add_transfer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-interval", type=float, default=c.heartbeat_interval_s)
     p.add_argument("--heartbeat-misses", type=int, default=c.heartbeat_misses,
                    help="a KV peer silent for interval x misses fails all its rooms")
+    p.add_argument("--host-id", default=c.host_id,
+                   help="the host identity this worker announces to KV peers (default: "
+                        "hostname + boot id); peers with equal ids use shm / cuda_ipc")
 
 
 def transfer_config_from_args(args: argparse.Namespace) -> TransferConfig:
@@ -85,4 +88,5 @@ def transfer_config_from_args(args: argparse.Namespace) -> TransferConfig:
         backend=args.transfer_backend, bootstrap_host=args.host,
         bootstrap_port=args.bootstrap_port, bootstrap_timeout_s=args.bootstrap_timeout,
         waiting_timeout_s=args.waiting_timeout, transfer_timeout_s=args.transfer_timeout,
-        heartbeat_interval_s=args.heartbeat_interval, heartbeat_misses=args.heartbeat_misses)
+        heartbeat_interval_s=args.heartbeat_interval, heartbeat_misses=args.heartbeat_misses,
+        host_id=args.host_id)

@@ -3,9 +3,9 @@
 Each KVManager names its host at handshake: hostname + kernel boot id. Two workers that agree
 share a kernel, so a shared-memory segment or a CUDA IPC handle of one can be opened by the
 other; two that differ (another node, or another pod with its own hostname) cannot, and their
-KV must travel over the network. TransferConfig.host_id or PDSERVE_HOST_ID replaces the
-detected identity (tests fake a second host this way; a deployment can group containers that
-do share /dev/shm and GPUs).
+KV must travel over the network. TransferConfig.host_id (`--host-id`) replaces the detected
+identity (tests fake a second host this way; a deployment can give containers that do share
+/dev/shm and GPUs one id).
 
 Prefill chooses, from what decode offers, best first:
 same host: shm (decode pool in shared memory), cuda_ipc (GPU pools) — one-sided, no network;
@@ -15,14 +15,12 @@ pages), ucx (tagged messages through staging buffers), tcp (pyzmq, always there)
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 SAME_HOST_BACKENDS = ("shm", "cuda_ipc")  # memory only processes of one host can map
 CROSS_HOST_BACKENDS = ("nixl", "ucx", "tcp")  # best first
-HOST_ENV = "PDSERVE_HOST_ID"
 
 
 def machine_id() -> str:
@@ -36,8 +34,8 @@ def machine_id() -> str:
 
 
 def host_id(override: str = "") -> str:
-    """The identity a worker announces: `override`, else $PDSERVE_HOST_ID, else machine_id()."""
-    return override or os.environ.get(HOST_ENV, "").strip() or machine_id()
+    """The identity a worker announces: `override` (TransferConfig.host_id), else machine_id()."""
+    return override or machine_id()
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ staged pieces the ucx backend cuts a chunk into."""
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import numpy as np
@@ -13,8 +14,9 @@ import torch
 from pdserve.kvtransfer import AuxData, TransferConfig
 from pdserve.kvtransfer.backends.staging import gather, one_run, piece_bytes, scatter, split
 from pdserve.kvtransfer.chunk_header import ChunkHeader
+from pdserve.kvtransfer.config import add_transfer_args, transfer_config_from_args
 from pdserve.kvtransfer.descriptors import merge_runs
-from pdserve.kvtransfer.hosts import HOST_ENV, choose_backend, host_id, machine_id, offers_for
+from pdserve.kvtransfer.hosts import choose_backend, host_id, machine_id, offers_for
 
 A, B = "node-a/boot-1", "node-b/boot-2"
 EVERYTHING = ["shm", "cuda_ipc", "nixl", "ucx", "tcp"]
@@ -80,12 +82,14 @@ def test_decode_offers_its_same_host_path_then_what_it_can_run() -> None:
     assert offers_for("nixl", True, False, has()) == ["nixl"]
 
 
-def test_host_identity_and_its_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(HOST_ENV, raising=False)
+def test_host_identity_and_its_override() -> None:
     assert host_id() == machine_id() and "/" in machine_id()
-    monkeypatch.setenv(HOST_ENV, "rack7-node3")
-    assert host_id() == "rack7-node3"
-    assert host_id("explicit") == "explicit"
+    assert host_id("rack7-node3") == "rack7-node3"
+    p = argparse.ArgumentParser()
+    p.add_argument("--host", default="127.0.0.1")
+    add_transfer_args(p)
+    assert transfer_config_from_args(p.parse_args([])).host_id == ""
+    assert transfer_config_from_args(p.parse_args(["--host-id", "rack7"])).host_id == "rack7"
     with pytest.raises(ValueError, match="host_id"):
         TransferConfig(host_id=" padded ")
     with pytest.raises(ValueError, match="stage_bytes"):
