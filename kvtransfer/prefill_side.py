@@ -59,7 +59,6 @@ class PrefillSide:
         self._pending: dict[int, tuple[bytes, np.ndarray, int, float]] = {}
         self._tombstones: dict[int, float] = {}
         self._peers: dict[bytes, _DecodePeer] = {}  # control loop only
-        self.xfer = TransferThread(pool, config, self._notify_via_control)
         self.loop = C.ControlLoop(self._tick, min(0.05, config.heartbeat_interval_s / 4),
                                   "kv-prefill-control")
         self._router = self.loop.ctx.socket(zmq.ROUTER)
@@ -73,6 +72,7 @@ class PrefillSide:
             port = self._router.bind_to_random_port(f"tcp://{host}")
         self.bootstrap_addr = f"{host}:{port}"
         self.loop.add_socket(self._router, self._on_message)
+        self.xfer = TransferThread(pool, config, self._notify_via_control)
         self.handshakes = Handshakes(fingerprint, config, pool.is_cuda, self.xfer, self.loop,
                                      self._send, self._accept)
         self.loop.start()
