@@ -94,6 +94,17 @@ def scatter(stage: torch.Tensor, pool: torch.Tensor, descs: np.ndarray) -> None:
         off += num
 
 
+def warm_copies(pool: torch.Tensor, stage: torch.Tensor) -> None:
+    """Run the gather and the scatter once, so that a request's first message does not pay for
+    their first use (CUDA module loading, pinned upload buffers). Reads the pool's page 0,
+    writes only `stage`."""
+    d = np.array([[0, 0, 1, 0]], dtype=np.int64)
+    gather(pool, d, stage)
+    scatter(stage[:1].clone(), stage, d)
+    if pool.is_cuda:
+        torch.cuda.current_stream(pool.device).synchronize()
+
+
 class RecvRing:
     """The receiver's two staging buffers (bytes, grown on demand). On a GPU an event after
     each scatter says when its buffer may take the next message."""

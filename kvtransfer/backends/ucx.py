@@ -28,7 +28,14 @@ from typing import Any
 
 import torch
 
-from pdserve.kvtransfer.backends.staging import RecvRing, gather, one_run, piece_bytes, scatter
+from pdserve.kvtransfer.backends.staging import (
+    RecvRing,
+    gather,
+    one_run,
+    piece_bytes,
+    scatter,
+    warm_copies,
+)
 from pdserve.kvtransfer.backends.staging import split as split_pieces
 from pdserve.kvtransfer.descriptors import NUM, SRC, run_pages
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
@@ -92,8 +99,12 @@ class UcxEngine(TransferEngine):
                     n = int.from_bytes(msg[len(WARM):], "little")
                     if n > max_bytes:
                         raise ValueError(f"warm-up of {n} bytes exceeds the pool")
+                    if n % page_bytes:
+                        raise ValueError(f"warm-up of {n} bytes is not whole pages")
                     if n:
-                        await ep.recv(_buf(await ring.next(n)))
+                        buf = await ring.next(n)
+                        await ep.recv(_buf(buf))
+                        warm_copies(pool, ring.pages(buf))
                     continue
                 header = ChunkHeader.from_bytes(msg)
                 nbytes = [n * page_bytes for n in header.descs[:, NUM].tolist()]
@@ -143,6 +154,7 @@ class UcxEngine(TransferEngine):
         buffers: a gather for another peer meanwhile changes nothing the receiver keeps."""
         pool = self.region("kv")
         warm = [self._staging(pool, 0, 1), self._staging(pool, 1, 1), pool[:1]]
+        warm_copies(pool, warm[0])
 
         async def _warm() -> None:
             ep = await self._endpoint(peer, peer_info)

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from pdserve.kvtransfer import AuxData, TransferConfig
-from pdserve.kvtransfer.backends.staging import gather, one_run, piece_bytes, scatter, split
+from pdserve.kvtransfer.backends.staging import (
+    gather,
+    one_run,
+    piece_bytes,
+    scatter,
+    split,
+    warm_copies,
+)
 from pdserve.kvtransfer.chunk_header import ChunkHeader
 from pdserve.kvtransfer.config import add_transfer_args, transfer_config_from_args
 from pdserve.kvtransfer.descriptors import merge_runs
@@ -131,3 +138,7 @@ def test_gather_then_scatter_moves_exactly_the_pages() -> None:
     assert one_run(np.array([4, 5, 6])) and not one_run(np.array([4, 6]))
     assert piece_bytes(pool, 0) == pool.numel() * 2  # capped by the pool
     assert piece_bytes(pool, 1) == pool[0].numel() * 2  # at least a page
+    before = pool.clone()
+    warm_copies(pool, stage)  # reads the pool, writes only the staging rows
+    assert torch.equal(pool.view(torch.int16), before.view(torch.int16))
+    assert torch.equal(stage[0].view(torch.int16), pool[0].view(torch.int16))
