@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pdserve.bench.decode_step import steady_step_ms
 from pdserve.bench.goodput_setups import Setup, parse_setup, start_cluster
 from pdserve.bench.serve_goodput import points_from_json
+from pdserve.worker.sm_share import daemon_pid, pipe_dir
 
 MIN_SECTION_S = 100.0  # less left than this: the set-up is skipped
 STOP_RESERVE_S = 40.0  # kept back from a sweep for the step run, stopping and the table
@@ -81,6 +82,9 @@ def run_setup(args: argparse.Namespace, setup: Setup, deadline: float) -> Outcom
         cluster.wait_ready(min(args.ready_timeout, deadline - time.monotonic()))
         res.ready_s = time.monotonic() - t0
         res.spatial = cluster.fields.get("spatial", "")
+        if setup.kind != "spatial" and daemon_pid(pipe_dir()) is not None:
+            res.notes.append(f"an MPS daemon serves {pipe_dir()}: its workers ran as MPS "
+                             f"clients, not time-sliced")
         if setup.kind == "spatial" and res.spatial in ("", "off"):
             why = [x.strip() for x in cluster.lines if "--spatial:" in x]
             res.status = "no split: " + (why[-1] if why else "see up.log")
