@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,9 +30,11 @@ from dataclasses import dataclass, field
 from pdserve.worker.sm_share import LOG_ENV, PCT_ENV, PIPE_ENV, daemon_pid, percentage, pipe_dir
 
 BINARY = "nvidia-cuda-mps-control"
-# A CUDA context made the way a worker makes it (torch), so the probe sees what workers will.
-PROBE = ("import torch; x = torch.ones(1, device='cuda'); torch.cuda.synchronize(); "
-         "print('mps-probe', float(x.sum()))")
+# A CUDA context made the way a worker makes it (torch), held until stdin closes so the daemon
+# is asked for its servers while the context is its client.
+PROBE_READY = "mps-probe-ready"
+PROBE = ("import sys, torch; x = torch.ones(1, device='cuda'); torch.cuda.synchronize(); "
+         f"print({PROBE_READY!r}, flush=True); sys.stdin.read()")
 READY_TIMEOUT_S = 10.0
 PROBE_TIMEOUT_S = 120.0  # a cold torch import plus CUDA initialisation
 
@@ -112,21 +115,33 @@ class MpsDaemon:
         answer = control(self.binary, "get_server_list", self._full_env())
         return {int(tok) for tok in answer.split() if tok.isdigit()}
 
-    def probe(self, argv: Sequence[str] | None = None, share: float = 0.5,
-              extra_env: dict[str, str] | None = None) -> str | None:
-        """Make one CUDA context through the daemon; None when it became an MPS client,
-        else why not."""
-        env = {**self._full_env(), PCT_ENV: str(percentage(share)), **(extra_env or {})}
+    def probe(self, argv: Sequence[str] | None = None, share: float = 0.5) -> str | None:
+        """Make one CUDA context through the daemon and, while the context lives, ask the
+        daemon for its servers; None when there is one (the context is an MPS client), else
+        why not."""
+        env = {**self._full_env(), PCT_ENV: str(percentage(share))}
         argv = list(argv) if argv is not None else [sys.executable, "-c", PROBE]
         try:
-            out = subprocess.run(argv, env=env, capture_output=True, text=True,
-                                 timeout=PROBE_TIMEOUT_S, check=False)
-        except (OSError, subprocess.SubprocessError) as e:
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        except OSError as e:
             return f"the probe process failed: {e}"
-        if out.returncode != 0:
-            return (f"a CUDA context under MPS failed (exit {out.returncode}): "
-                    f"{out.stderr.strip()[-300:]}{self.log_tail()}")
-        self.server_pids = self.servers()
+        timer = threading.Timer(PROBE_TIMEOUT_S, proc.kill)
+        timer.start()
+        err = ""
+        try:
+            line = proc.stdout.readline() if proc.stdout is not None else ""
+            if line.strip() == PROBE_READY:
+                self.server_pids = self.servers()
+            _, err = proc.communicate("")  # the probe exits once its stdin closes
+        finally:
+            timer.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if line.strip() != PROBE_READY:
+            return (f"a CUDA context under MPS failed (exit {proc.returncode}): "
+                    f"{(err or '').strip()[-300:]}{self.log_tail()}")
         if not self.server_pids:
             return f"the probe's CUDA context did not start an MPS server{self.log_tail()}"
         return None

@@ -9,7 +9,7 @@ import tempfile
 import time
 
 import pytest
-from fixtures.fake_mps import alive, start_server_argv, write_fake_mps
+from fixtures.fake_mps import PLAIN_CONTEXT_ARGV, alive, start_server_argv, write_fake_mps
 
 from pdserve.spatial import MpsDaemon, plan_spatial
 from pdserve.worker.main import parser as worker_parser
@@ -88,11 +88,16 @@ def test_probe_without_a_server_takes_the_plain_path(tmp_path, monkeypatch, shor
     monkeypatch.setattr("pdserve.worker.sm_share.DRIVER_PIPE_DIR", str(tmp_path / "none"))
     binary = write_fake_mps(str(tmp_path))
     # A client whose context did not go through MPS (an old driver): no server appears.
-    plan, why = plan_spatial("cuda", 1, 0.4, 0.6, binary, probe_argv=["true"])
+    plan, why = plan_spatial("cuda", 1, 0.4, 0.6, binary, probe_argv=PLAIN_CONTEXT_ARGV)
     assert plan is None and "did not start an MPS server" in why and "control.log" in why
     # A client that fails outright: the real probe, on a torch without CUDA.
     plan, why = plan_spatial("cuda", 1, 0.4, 0.6, binary)
     assert plan is None and "a CUDA context under MPS failed (exit 1)" in why
+    # A client that hangs in CUDA initialisation is killed after the probe's timeout.
+    monkeypatch.setattr("pdserve.spatial.PROBE_TIMEOUT_S", 1.0)
+    t0 = time.monotonic()
+    plan, why = plan_spatial("cuda", 1, 0.4, 0.6, binary, probe_argv=["sleep", "30"])
+    assert plan is None and "failed (exit -9)" in why and time.monotonic() - t0 < 15
     assert os.listdir(short_tmp) == []  # each daemon quit and its directory went with it
 
 
