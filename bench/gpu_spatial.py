@@ -35,6 +35,8 @@ from collections.abc import Callable
 
 import torch
 
+CHILD_TIMEOUT_S = 300.0  # model build (FlashInfer JIT on a bare machine) plus the timed loop
+
 
 def build(role: str, args: argparse.Namespace, model=None):  # noqa: ANN001, ANN202
     """(model, one pass) for `role`: a decode step replayed from a CUDA graph, or a prefill."""
@@ -150,6 +152,14 @@ def in_process(args: argparse.Namespace, shares: dict[str, float] | None) -> dic
     return results
 
 
+def _read_until(p: subprocess.Popen, accept: Callable[[str], bool], what: str) -> str:
+    """The first stdout line of `p` that `accept`s (libraries may print before it)."""
+    for line in p.stdout:  # type: ignore[union-attr]
+        if accept(line.strip()):
+            return line.strip()
+    raise RuntimeError(f"{what}: the process exited ({p.wait()}) first")
+
+
 def two_processes(args: argparse.Namespace, env: dict[str, dict[str, str]]) -> dict:
     """Each loop in its own process (env per role); they start together once both are built."""
     procs = {role: subprocess.Popen(
@@ -158,16 +168,18 @@ def two_processes(args: argparse.Namespace, env: dict[str, dict[str, str]]) -> d
          str(args.context), "--prompt", str(args.prompt)],
         env={**os.environ, **env[role]}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         text=True) for role in ("decode", "prefill")}
+    watchdog = threading.Timer(CHILD_TIMEOUT_S, lambda: [p.kill() for p in procs.values()])
+    watchdog.start()
     try:
         for role, p in procs.items():
-            line = p.stdout.readline()
-            if line.strip() != "ready":
-                raise RuntimeError(f"{role} process: {line.strip() or 'exited'}")
+            _read_until(p, lambda x: x == "ready", role)
         for p in procs.values():
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        return {role: json.loads(p.stdout.readline()) for role, p in procs.items()}
+            p.stdin.write("go\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+        return {role: json.loads(_read_until(p, lambda x: x.startswith("["), role))
+                for role, p in procs.items()}
     finally:
+        watchdog.cancel()
         for p in procs.values():
             try:
                 p.wait(timeout=60)
