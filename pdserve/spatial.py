@@ -85,11 +85,17 @@ class MpsDaemon:
         os.mkdir(daemon.pipe_dir)
         os.mkdir(daemon.log_dir or "")
         try:
-            run = subprocess.run([binary, "-d"], env=daemon._full_env(), capture_output=True,
-                                 text=True, timeout=READY_TIMEOUT_S, check=False)
+            # Output to a file, not a pipe: the daemon it forks could hold a pipe open.
+            out_path = os.path.join(tmp, "start.out")
+            with open(out_path, "w+", encoding="utf-8") as out:
+                run = subprocess.run([binary, "-d"], env=daemon._full_env(),
+                                     stdin=subprocess.DEVNULL, stdout=out,
+                                     stderr=subprocess.STDOUT, timeout=READY_TIMEOUT_S,
+                                     check=False)
+                out.seek(0)
+                said = out.read().strip()[-300:]
             if run.returncode != 0:
-                raise RuntimeError(f"`{binary} -d` exited with {run.returncode}: "
-                                   f"{(run.stderr or run.stdout).strip()[-300:]}")
+                raise RuntimeError(f"`{binary} -d` exited with {run.returncode}: {said}")
             deadline = time.monotonic() + READY_TIMEOUT_S
             while daemon_pid(daemon.pipe_dir) is None:
                 if time.monotonic() > deadline:

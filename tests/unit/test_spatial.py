@@ -132,3 +132,16 @@ def test_launcher_share_flags(capsys):
         assert main(["--spatial", *bad]) == 2
     err = capsys.readouterr().err
     assert "prefill_sm_share: must be in (0, 1]" in err and "decode_sm_share" in err
+
+
+def test_a_daemon_that_does_not_start(tmp_path, monkeypatch, short_tmp):
+    monkeypatch.delenv(PIPE_ENV, raising=False)
+    monkeypatch.setattr("pdserve.worker.sm_share.DRIVER_PIPE_DIR", str(tmp_path / "none"))
+    broken = tmp_path / "nvidia-cuda-mps-control"
+    broken.write_text("#!/bin/sh\necho 'An instance of this daemon is already running' >&2\n"
+                      "exit 1\n")
+    broken.chmod(0o755)
+    plan, why = plan_spatial("cuda", 1, 0.5, 0.5, str(broken))
+    assert plan is None and why.startswith("the MPS control daemon did not start")
+    assert "exited with 1: An instance of this daemon is already running" in why
+    assert os.listdir(short_tmp) == []
