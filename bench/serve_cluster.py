@@ -142,6 +142,9 @@ def run_served(args: argparse.Namespace, loads: tuple[Workload, ...], topo: str,
     result: dict = {"ready_s": cluster.ready_s}
     try:
         for w in loads:
+            if time.perf_counter() > args.deadline:
+                result[w.name] = {"skipped": "out of the time budget"}
+                continue
             cpu0 = cluster.cpu()
             cmd = [sys.executable, "-m", "pdserve", "bench", "--base-url", cluster.url,
                    *bench_args(w, args.seed, tok), "--json", "--no-progress"]

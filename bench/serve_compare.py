@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -133,22 +134,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "serve-bench-out")
     p.add_argument("--topologies", default="mixed,pd", help="served clusters to run")
     p.add_argument("--no-check", action="store_true", help="skip the independent client")
+    p.add_argument("--budget-s", type=float, default=400.0,
+                   help="start no phase past this many seconds (the table still comes)")
     args = p.parse_args(argv)
     loads = workloads_of(args)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
-    report: dict = {"args": vars(args), "workloads": [asdict(w) for w in loads], "served": {},
-                    "phases_s": {}}
-    report["offline"] = run_offline(args, report)
-    for topo in [t for t in args.topologies.split(",") if t]:
-        report["served"][topo] = run_served(args, loads, topo, report)
+    args.deadline = t0 + args.budget_s
+    report: dict = {"args": {k: v for k, v in vars(args).items() if k != "deadline"},
+                    "workloads": [asdict(w) for w in loads], "served": {}, "phases_s": {},
+                    "errors": {}}
+    phases = [("offline", lambda: run_offline(args, report))]
+    phases += [(topo, lambda topo=topo: run_served(args, loads, topo, report))
+               for topo in args.topologies.split(",") if topo]
+    for name, run in phases:
+        if time.perf_counter() > args.deadline:
+            report["errors"][name] = "skipped: out of the time budget"
+            continue
+        try:
+            result = run()
+        except (RuntimeError, OSError, ValueError, KeyError,
+                subprocess.TimeoutExpired) as e:  # the other phases still run
+            report["errors"][name] = f"{type(e).__name__}: {e}"
+            print(f"serve-bench: {name} failed: {e}", file=sys.stderr, flush=True)
+            continue
+        if name == "offline":
+            report["offline"] = result
+        else:
+            report["served"][name] = result
+    report.setdefault("offline", {"workloads": {}})
     report["phases_s"]["total"] = time.perf_counter() - t0
     with open(os.path.join(args.out, "serve_bench.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     print(f"== serve-bench: {args.model_shape} on {report['offline'].get('gpu') or args.device}"
           f", {report['phases_s']['total']:.0f} s; logs and serve_bench.json in {args.out}")
     print(table(report), flush=True)
-    return 0
+    for name, why in report["errors"].items():
+        print(f"{name}: {why}")
+    return 1 if report["errors"] else 0
 
 
 if __name__ == "__main__":
