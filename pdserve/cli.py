@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from pdserve.child import watch_launcher
 from pdserve.envs import envs
 
 # subcommand -> ("module[:function]", help); the function (default `main`) takes the argv
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
+    watch_launcher()  # a child of `pdserve up` stops when the launcher is gone
     module_name, _, func = SUBCOMMANDS[name][0].partition(":")
     entry = getattr(importlib.import_module(module_name), func or "main")
     return int(entry(args[1:]) or 0)

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=c.request_timeout_s, metavar="S")
     p.add_argument("--max-body-bytes", type=int, default=c.max_body_bytes)
     p.add_argument("--retries", type=int, default=c.retries)
+    p.add_argument("--max-queued-requests", type=int, default=c.max_queued_requests,
+                   metavar="N", help="requests queued past the decode workers' --max-running "
+                   "before new ones are refused with 429 (default: 4 per running slot)")
     p.add_argument("--disagg-threshold", type=int, default=c.disagg_threshold, metavar="TOKENS",
                    help="prefill remotely only when the uncached prompt has at least this many "
                         "tokens, else on the decode worker (0 = always disaggregate)")
@@ -78,7 +81,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         heartbeat_interval_s=args.heartbeat_interval, lease_s=args.lease,
         health_check_interval_s=args.health_check_interval,
         request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-        retries=args.retries, disagg_threshold=args.disagg_threshold,
+        retries=args.retries, max_queued_requests=args.max_queued_requests,
+        disagg_threshold=args.disagg_threshold,
         local_prefill_fallback=args.local_prefill_fallback, tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key, tls_ca_file=args.tls_ca,
         k8s_discovery=_k8s_config(args))

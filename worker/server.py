@@ -51,10 +51,17 @@ async def set_health(h, status) -> None:
         await res
 
 
-def install_signal_handlers(stop: asyncio.Event) -> None:
+def install_signal_handlers(stop: asyncio.Event, hurry: asyncio.Event | None = None) -> None:
+    """SIGTERM/SIGINT set `stop` (drain); another one while stopping sets `hurry` (stop now)."""
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set() and hurry is not None:
+            hurry.set()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):
             pass
