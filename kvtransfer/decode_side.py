@@ -48,7 +48,6 @@ class DecodeSide:
         self.page_bytes = pool[0].numel() * pool.element_size()
         self.config = config
         self.fingerprint = fingerprint
-        self.ident = secrets.token_bytes(16)
         self.aux_slots = AuxSlots(config.num_aux_slots)
         self.engines = engines
         self._transports: list[list[Any]] = []
@@ -174,7 +173,10 @@ class DecodeSide:
         peer = self._peers.get(addr)
         if peer is None:
             sock = self.loop.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, self.ident)
+            # A fresh identity per connection: a ROUTER ignores a new peer that reuses the
+            # identity of one it has not seen leave yet (a reconnect right after a REFUSE
+            # or a drop would go unanswered until the heartbeat window ran out).
+            sock.setsockopt(zmq.IDENTITY, secrets.token_bytes(16))
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(f"tcp://{addr}")
             peer = _PrefillPeer(addr, sock, time.monotonic())
