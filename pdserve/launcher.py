@@ -20,7 +20,10 @@ import time
 import urllib.request
 
 from pdserve.child import Child, Lifeline
+from pdserve.worker.sm_share import check_share, percentage
 
+# Prefill's share of the SMs under --spatial (docs/performance.md, "Spatial P/D").
+DEFAULT_PREFILL_SM_SHARE = 0.5
 RESTART_BACKOFF_S = (1.0, 30.0)  # first delay before a router restart, and the cap
 RESTART_RESET_S = 60.0  # a router up this long restarts after the first delay again
 
@@ -38,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--router-arg", action="append", default=[], help="extra router flag")
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag")
+    p.add_argument("--spatial", action="store_true",
+                   help="CUDA: prefill and decode workers on separate shares of a GPU's SMs "
+                        "(CUDA MPS, started as needed; pdserve/spatial.py)")
+    p.add_argument("--prefill-sm-share", type=float, default=DEFAULT_PREFILL_SM_SHARE,
+                   metavar="F", help="--spatial: share of the SMs for prefill workers")
+    p.add_argument("--decode-sm-share", type=float, default=None, metavar="F",
+                   help="--spatial: share for decode workers (default: the rest)")
     return p
 
 
@@ -128,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     if (args.prefill == 0) != (args.decode == 0):
         print("pdserve up: error: --prefill and --decode go together", file=sys.stderr)
         return 2
+    try:
+        check_share("prefill_sm_share", args.prefill_sm_share)
+        if args.decode_sm_share is None:
+            args.decode_sm_share = max(0.01, round(1.0 - args.prefill_sm_share, 4))
+        check_share("decode_sm_share", args.decode_sm_share)
+    except ValueError as e:
+        print(f"pdserve up: error: {e}", file=sys.stderr)
+        return 2
     if args.model is None:
         from pdserve.engine.default_model import default_model_path
 
@@ -146,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
     deadline = time.monotonic() + args.ready_timeout
+    spatial = None
     try:
+        if args.spatial:
+            spatial = _plan_spatial(args, env)
         router = _Router(args, env, lifeline, procs)
         router.wait_ready(deadline, stop)
         roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["mixed"] * args.mixed
@@ -158,16 +179,21 @@ def main(argv: list[str] | None = None) -> int:
             wenv = dict(env)
             if gpus:
                 wenv["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+            share = spatial.worker_args(role) if spatial is not None else []
             workers.append(Child.spawn(
                 f"{role}-{i}", "worker",
                 [role, "--model", args.model, "--device", args.device, "--host", args.host,
-                 "--router", router.grpc, *threads, *args.worker_arg], wenv, lifeline))
+                 "--router", router.grpc, *threads, *share, *args.worker_arg], wenv, lifeline))
             procs.append(workers[-1])
         for proc in workers:
             proc.wait_ready(deadline, stop)
         _wait_registered(router.http, len(roles), deadline, stop)
+        tail = ""
+        if args.spatial:  # what the SMs are split into, or `off` (the plain path was taken)
+            tail = " spatial=" + ("off" if spatial is None else "/".join(
+                str(percentage(spatial.shares[r])) for r in ("prefill", "decode")))
         print(f"pdserve ready {router.http} grpc={router.grpc} prefill={args.prefill} "
-              f"decode={args.decode} mixed={args.mixed}", flush=True)
+              f"decode={args.decode} mixed={args.mixed}{tail}", flush=True)
         _supervise(router, procs, stop)
         return 0
     except RuntimeError as e:
@@ -175,6 +201,28 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         _stop_all(procs)
+        if spatial is not None:
+            spatial.close()
+
+
+def _plan_spatial(args: argparse.Namespace, env: dict[str, str]):  # noqa: ANN202
+    """The MPS set-up for --spatial (its client environment added to `env`), or None and a
+    message saying why the workers share the GPU time-sliced instead."""
+    from pdserve.spatial import plan_spatial
+
+    gpus = _gpu_count() if args.device.startswith(("cuda", "auto")) else 0
+    device = ("cuda" if gpus else "cpu") if args.device == "auto" else args.device
+    if args.prefill == 0:
+        plan, message = None, "needs prefill and decode workers (there are none to split)"
+    else:
+        plan, message = plan_spatial(device, gpus, args.prefill_sm_share, args.decode_sm_share)
+    if plan is None:
+        print(f"pdserve up: --spatial: {message}; prefill and decode share the GPU "
+              f"time-sliced (the plain path)", file=sys.stderr, flush=True)
+        return None
+    env.update(plan.daemon.env)
+    print(f"pdserve up: --spatial: {message}", file=sys.stderr, flush=True)
+    return plan
 
 
 def _supervise(router: _Router, procs: list[Child], stop: threading.Event) -> None:
