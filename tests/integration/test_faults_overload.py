@@ -4,8 +4,9 @@
   ones past decode's max_running wait with their rooms kept alive), no 5xx, every page back.
   Its router, SIGKILLed, is restarted by the launcher and serves; the launcher, SIGKILLed, takes
   every process, port and shared-memory segment of the cluster with it within 5 s.
-- With a low --max-queued-requests the excess is refused with 429 within a second and the rest
-  succeed; SIGHUP then drains the cluster and leaves nothing either.
+- With a low --max-queued-requests the excess is refused with 429 at once (before any admitted
+  stream ends; the seconds are printed) and the rest succeed; SIGHUP then drains the cluster
+  and leaves nothing either.
 """
 
 from __future__ import annotations
@@ -137,11 +138,11 @@ def test_default_cluster_256_streams_router_restart_and_sigkill(smollm2_path):
         _kill_all(fp)
 
 
-def test_queue_bound_refuses_at_once_then_sighup_leaves_nothing(tiny_model_dir):
-    cluster = start_cluster(tiny_model_dir, router_args=("--max-queued-requests=8",))
+def test_queue_bound_refuses_at_once_then_sighup_leaves_nothing(smollm2_path):
+    cluster = start_cluster(smollm2_path, router_args=("--max-queued-requests=8",))
     fp = Footprint.of(cluster.proc.pid)
     try:
-        outcomes = burst(cluster.url, 256, lambda i: 400)
+        outcomes = burst(cluster.url, 256, lambda i: 32)
         refused = sorted((o for o in outcomes if o.status == 429), key=lambda o: o.seconds)
         ok = [o for o in outcomes if o.status == 200 and o.finish == "length" and not o.error]
         assert refused and len(ok) + len(refused) == 256, _summary(outcomes)
