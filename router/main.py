@@ -109,7 +109,7 @@ async def serve(config: RouterConfig) -> None:
     server = RouterServer(config)
     await server.start()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, server.request_stop)
     try:
         print(server.ready_line, flush=True)

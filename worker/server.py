@@ -52,7 +52,8 @@ async def set_health(h, status) -> None:
 
 
 def install_signal_handlers(stop: asyncio.Event, hurry: asyncio.Event | None = None) -> None:
-    """SIGTERM/SIGINT set `stop` (drain); another one while stopping sets `hurry` (stop now)."""
+    """SIGTERM/SIGINT/SIGHUP set `stop` (drain); another one while stopping sets `hurry`
+    (stop now)."""
     loop = asyncio.get_running_loop()
 
     def on_signal() -> None:
@@ -60,7 +61,7 @@ def install_signal_handlers(stop: asyncio.Event, hurry: asyncio.Event | None = N
             hurry.set()
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         try:
             loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):
