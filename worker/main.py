@@ -2,10 +2,11 @@
 
 A role (prefill/main.py, decode/main.py) adds its own flags and supplies `build`, which makes
 its engine, scheduler thread and servicer; `run` does the rest. The process prints one line
-`worker ready role=R grpc=HOST:PORT bootstrap=HOST:PORT` once it serves. SIGTERM/SIGINT drains:
-new requests are refused, in-flight ones finish (up to --drain-timeout), the worker deregisters
-from its router and exits 0. A second signal during the drain stops at once: in-flight requests
-are aborted (their RPCs cancelled, their KV pages and shared memory released as on any stop).
+`worker ready role=R grpc=HOST:PORT bootstrap=HOST:PORT` once it serves. SIGTERM, SIGINT and
+SIGHUP drain: new requests are refused, in-flight ones finish (up to --drain-timeout), the
+worker deregisters from its router and exits 0. A second signal during the drain stops at once:
+in-flight requests are aborted (their RPCs cancelled, their KV pages and shared memory released
+as on any stop).
 """
 
 from __future__ import annotations
