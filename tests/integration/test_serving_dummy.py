@@ -35,7 +35,9 @@ WORDS = ("alpha beta gamma delta river stone cloud paper light north silver gard
 
 @pytest.fixture(scope="module")
 def cluster():
+    # One request at a time per worker: the router's queue bound must hold all 32 streams.
     c = start_cluster(None, prefill=1, decode=1, worker_args=WORKER_ARGS,
+                      router_args=("--max-queued-requests=64",),
                       up_args=("--model-shape", "tiny"))
     try:
         yield c
