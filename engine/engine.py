@@ -1,8 +1,15 @@
-"""Build a ready-to-run engine (model, KV pool, memory, runner, scheduler) from configs."""
+"""Build a ready-to-run engine (model, KV pool, memory, runner, scheduler) from configs.
+
+With `tp_size` N > 1 the calling process is rank 0 of N: it starts the other ranks
+(engine/tp/ranks.py), and every rank builds its runner with `build_runner`, in the same order
+(the collectives in it line up): its shard of the model, a KV pool of its KV heads with as many
+pages as the smallest rank can hold, its attention backend and, on CUDA, its graphs.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +22,9 @@ from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.memory import KVMemory
 from pdserve.engine.model_runner import ModelRunner, default_attention_backend, num_kv_pages
 from pdserve.engine.models.layers import set_weight_layout
+from pdserve.engine.tp.group import TPGroup, rank_device
+from pdserve.engine.tp.layout import check_tp
+from pdserve.engine.tp.ranks import RankSet
 
 # The decode-only worker's matmul weight layout (measured on an H200, docs/performance.md):
 # row-major, which the batch-1 GEMV path needs (kernels/gemv.py; its steps 1.18x faster than
@@ -35,6 +45,7 @@ class EngineConfig:
     # the C++ paged decode attention (engine/attention/cpu_decode.py). Off: plain torch only.
     cpu_kernels: bool = True
     cuda_graph_max_bs: int = 256
+    tp_size: int = 1  # tensor-parallel ranks (processes, one device each) of this engine
     # CUDA: matmul weights stored column-major (engine/models/layers.py): faster with cuBLAS
     # at decode batch sizes, slower for prefill-sized matmuls; decode-only workers use
     # DECODE_WORKER_COLUMN_MAJOR.
@@ -49,6 +60,13 @@ class EngineConfig:
             raise ValueError("device: CUDA requested but no CUDA device is available")
         if self.dtype is not None:
             parse_dtype(self.dtype)
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size: must be at least 1, got {self.tp_size}")
+        if self.device.startswith("cuda"):
+            last = rank_device(self.device, self.tp_size - 1).index
+            if last >= torch.cuda.device_count():
+                raise ValueError(f"tp_size: {self.tp_size} ranks from {self.device} need GPU "
+                                 f"{last}, but {torch.cuda.device_count()} are visible")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -71,31 +89,76 @@ class EngineParts:
     memory: KVMemory
     tokenizer: object
     load_s: float
+    ranks: RankSet | None = None  # the other tensor-parallel ranks (tp_size > 1)
+
+    def watch_ranks(self, on_lost: Callable[[str], None]) -> None:
+        """`on_lost(message)` once, if a tensor-parallel rank dies; the runner refuses to run
+        from then on."""
+        if self.ranks is None:
+            return
+
+        def lost(message: str) -> None:
+            self.runner.lost_rank = message
+            on_lost(message)
+
+        self.ranks.watch(lost)
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (nothing to do with one rank)."""
+        if self.ranks is not None:
+            self.ranks.close(self.runner.tp)
 
 
 def build_engine_parts(config: EngineConfig, pool_buffer: torch.Tensor | None = None
                        ) -> EngineParts:
     """Load the model and tokenizer and size the KV pool. `pool_buffer`: externally owned
     pool memory (e.g. shared memory for same-host KV transfer), shaped like KVPool.buffer."""
-    from pdserve.engine.loader import load_model, load_tokenizer
+    from pdserve.engine.loader import load_tokenizer, read_model_config
 
     t0 = time.perf_counter()
-    device = torch.device(config.device)
-    dtype = config.torch_dtype
     path = config.model_path()
-    model, model_config = load_model(path, dtype=dtype, device=device)
-    tokenizer = load_tokenizer(path)
-    cache = config.cache
-    max_ctx = min(cache.max_context_len or model_config.max_position_embeddings,
-                  model_config.max_position_embeddings)
-    num_pages = (int(pool_buffer.shape[0]) if pool_buffer is not None
-                 else num_kv_pages(model_config, cache, dtype, device))
-    pool = KVPool.for_model(model_config, cache, num_pages, dtype, device) if pool_buffer is None \
-        else KVPool(num_pages, model_config.num_layers, cache.page_size,
-                    model_config.num_kv_heads, model_config.head_dim, dtype, device, pool_buffer)
-    memory = KVMemory(pool, cache.max_reqs, max_ctx, config.disable_radix_cache)
+    ranks = None
+    if config.tp_size > 1:
+        check_tp(read_model_config(path), config.tp_size)  # before starting any rank
+        ranks = RankSet(config)
+    try:
+        tp = ranks.connect() if ranks is not None else TPGroup()
+        runner = build_runner(config, tp, pool_buffer, ranks.wait if ranks is not None else None)
+        tokenizer = load_tokenizer(path)
+    except BaseException:
+        if ranks is not None:
+            ranks.close(None)
+        raise
+    mc, cache = runner.model_config, config.cache
+    max_ctx = min(cache.max_context_len or mc.max_position_embeddings,
+                  mc.max_position_embeddings)
+    memory = KVMemory(runner.pool, cache.max_reqs, max_ctx, config.disable_radix_cache)
+    return EngineParts(config, runner, memory, tokenizer, time.perf_counter() - t0, ranks)
+
+
+def build_runner(config: EngineConfig, tp: TPGroup, pool_buffer: torch.Tensor | None = None,
+                 sync: Callable[[str], None] | None = None) -> ModelRunner:
+    """This rank's model shard, KV pool, attention backend and runner. `sync(stage)` marks
+    start-up stages between ranks (rank 0 waits for the others, they report)."""
+    from pdserve.engine.loader import load_model
+
+    device = rank_device(config.device, tp.rank)
+    dtype = config.torch_dtype
+    model, model_config = load_model(config.model_path(), dtype=dtype, device=device, tp=tp)
+    if sync is not None:
+        sync("loading")
+    cache, shard = config.cache, model.shard
+    local_pages = (int(pool_buffer.shape[0]) if pool_buffer is not None else num_kv_pages(
+        model_config, cache, dtype, device, shard.num_kv_heads,
+        ranks=tp.size if device.type == "cpu" else 1))
+    num_pages = tp.min_int(local_pages)  # same page indices on every rank
+    if pool_buffer is not None and num_pages != local_pages:
+        raise ValueError(f"num_pages: rank {tp.rank}'s pool holds {local_pages} pages, "
+                         f"another rank only {num_pages}")
+    pool = KVPool(num_pages, model_config.num_layers, cache.page_size, shard.num_kv_heads,
+                  model_config.head_dim, dtype, device, pool_buffer)
     backend = default_attention_backend(device, config.attention_backend,
-                                        num_heads=model_config.num_heads)
+                                        num_heads=shard.num_heads)
     if isinstance(backend, TorchAttentionBackend):
         backend.cpu_kernel = config.cpu_kernels
     if config.cpu_kernels and device.type == "cpu" and dtype == torch.float32:
@@ -105,7 +168,8 @@ def build_engine_parts(config: EngineConfig, pool_buffer: torch.Tensor | None = 
         cpu_decode.load(block=False)
     if device.type == "cuda" and config.column_major_weights:
         set_weight_layout(model.projection_weights(), column_major=True)
-    runner = ModelRunner(model, model_config, pool, backend)
+    runner = ModelRunner(model, model_config, pool, backend, tp)
     if device.type == "cuda" and not config.disable_cuda_graph:
         runner.enable_cuda_graph(min(config.cuda_graph_max_bs, config.scheduler.max_running))
-    return EngineParts(config, runner, memory, tokenizer, time.perf_counter() - t0)
+    tp.barrier()  # every rank is ready
+    return runner

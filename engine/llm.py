@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from pdserve.engine.req import Req
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stop import TextStream
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,16 +62,21 @@ class LLM:
                  page_size: int = 16, num_pages: int | None = None, max_running: int = 64,
                  chunked_prefill_size: int = 2048, disable_radix_cache: bool = False,
                  attention_backend: str | None = None, max_context_len: int | None = None,
-                 cpu_kernels: bool = True) -> None:
+                 cpu_kernels: bool = True, tp: int = 1) -> None:
+        """`tp`: tensor-parallel ranks (processes started here, one device each; on CPU they
+        share this process's torch threads). `close()` (or `with LLM(...) as llm:`) stops
+        them."""
         cfg = EngineConfig(
             model=model, device=device, dtype=dtype, attention_backend=attention_backend,
-            disable_radix_cache=disable_radix_cache, cpu_kernels=cpu_kernels,
+            disable_radix_cache=disable_radix_cache, cpu_kernels=cpu_kernels, tp_size=tp,
             cache=CacheConfig(page_size=page_size, num_pages=num_pages,
                               max_context_len=max_context_len,
                               max_reqs=max(max_running + 8, 16)),
             scheduler=SchedulerConfig(max_running=max_running,
                                       chunked_prefill_size=chunked_prefill_size))
         parts = build_engine_parts(cfg)
+        self._parts = parts
+        parts.watch_ranks(lambda message: log.error("%s: generation stops", message))
         if cpu_kernels and parts.runner.device.type == "cpu" \
                 and cfg.torch_dtype == torch.float32:
             # Offline runs want throughput from the first batch: wait for the CPU decode
@@ -82,6 +90,16 @@ class LLM:
         self.scheduler = _OfflineScheduler(parts.runner, parts.memory, cfg.scheduler)
         self._ids = itertools.count()
         self.last_generate_s = 0.0
+
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks, if any (the LLM cannot generate afterwards)."""
+        self._parts.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, list):

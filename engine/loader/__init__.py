@@ -10,6 +10,7 @@ import torch
 from pdserve.engine.config import ModelConfig, parse_dtype
 from pdserve.engine.loader.common import ModelLoadError
 from pdserve.engine.models import LlamaForCausalLM
+from pdserve.engine.tp.group import TPGroup
 
 __all__ = ["ModelLoadError", "load_model", "load_tokenizer", "read_model_config",
            "resolve_model_path"]
@@ -45,18 +46,20 @@ def read_model_config(path: str) -> ModelConfig:
 
 
 def load_model(
-    path: str, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    tp: TPGroup | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Builds the model on `device` in `dtype` and fills it from an HF directory or GGUF file."""
+    """Builds the model on `device` in `dtype` and fills it from an HF directory or GGUF file;
+    with `tp`, this rank's shard only."""
     dtype, device = parse_dtype(dtype), torch.device(device)
     kind, where = resolve_model_path(path)
     if kind == "hf":
         from pdserve.engine.loader.hf import load_hf_model
 
-        return load_hf_model(where, dtype, device)
+        return load_hf_model(where, dtype, device, tp)
     from pdserve.engine.loader.gguf import load_gguf_model
 
-    return load_gguf_model(where, dtype, device)
+    return load_gguf_model(where, dtype, device, tp)
 
 
 def load_tokenizer(path: str) -> Any:
