@@ -50,7 +50,7 @@ def build_decode(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
     sched = DecodeScheduler(parts.runner, parts.memory, cfg.scheduler, kv_manager=kv)
     thread = SchedulerThread(sched, name="decode-scheduler")
     service = DecodeService(thread, mc, parts.memory, mc.name, args.transfer_backend)
-    return WorkerParts(service, thread, [kv.close, *closers])
+    return WorkerParts(service, thread, [kv.close, *closers], parts)
 
 
 def build_mixed(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
@@ -58,7 +58,7 @@ def build_mixed(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
     mc = parts.runner.model_config
     sched = DecodeScheduler(parts.runner, parts.memory, cfg.scheduler)
     thread = SchedulerThread(sched, name="mixed-scheduler")
-    return WorkerParts(MixedService(thread, mc, parts.memory, mc.name), thread)
+    return WorkerParts(MixedService(thread, mc, parts.memory, mc.name), thread, engine=parts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--mixed", type=int, default=0, help="colocated workers (no transfer)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (GPUs assigned round-robin)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per worker (each worker gets that many GPUs)")
+    for role in ("prefill", "decode", "mixed"):
+        p.add_argument(f"--{role}-tp", type=int, default=None,
+                       help=f"tensor-parallel ranks per {role} worker (default: --tp)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the router (0 = free)")
     p.add_argument("--grpc-port", type=int, default=0)
@@ -102,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     if (args.prefill == 0) != (args.decode == 0):
         print("pdserve up: error: --prefill and --decode go together", file=sys.stderr)
         return 2
+    tps = {role: getattr(args, f"{role}_tp") or args.tp for role in ("prefill", "decode", "mixed")}
+    if min(tps.values()) < 1:
+        print("pdserve up: error: --tp: must be at least 1", file=sys.stderr)
+        return 2
     if args.model is None:
         from pdserve.engine.default_model import default_model_path
 
@@ -121,15 +130,22 @@ def main(argv: list[str] | None = None) -> int:
         grpc_addr, http = ready["grpc"], ready["http"]
         roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["mixed"] * args.mixed
         gpus = _gpu_count() if args.device.startswith("cuda") else 0
+        if gpus and max(tps[r] for r in roles) > gpus:
+            raise RuntimeError(f"--tp: {max(tps[r] for r in roles)} ranks per worker, "
+                               f"{gpus} GPUs visible")
         # CPU workers share the cores: oversubscribed torch threads slow every matmul badly.
         threads = [] if gpus else ["--threads", str(max(1, (os.cpu_count() or 1) // len(roles)))]
+        first_gpu = 0
         for i, role in enumerate(roles):
             wenv = dict(env)
-            if gpus:
-                wenv["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+            tp = tps[role]
+            if gpus:  # a worker's ranks take consecutive GPUs
+                wenv["CUDA_VISIBLE_DEVICES"] = ",".join(
+                    str((first_gpu + r) % gpus) for r in range(tp))
+                first_gpu += tp
             proc = _spawn(f"{role}-{i}", [role, "--model", args.model, "--device", args.device,
                                           "--host", args.host, "--router", grpc_addr,
-                                          *threads, *args.worker_arg], wenv)
+                                          "--tp", str(tp), *threads, *args.worker_arg], wenv)
             procs.append(proc)
         for proc in procs[1:]:
             proc.ready = _await_ready(proc, "worker", deadline)

@@ -23,7 +23,7 @@ def build(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
     thread = SchedulerThread(sched, name="prefill-scheduler")
     service = PrefillService(thread, mc, parts.memory, mc.name, args.transfer_backend,
                              bootstrap_addr=kv.bootstrap_addr)
-    return WorkerParts(service, thread, [kv.close])
+    return WorkerParts(service, thread, [kv.close], parts)
 
 
 def main(argv: list[str] | None = None) -> int:
