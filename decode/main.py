@@ -32,6 +32,9 @@ def _shm_pool(cfg: EngineConfig):
 
 
 def build_decode(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
+    if cfg.tp_size > 1:
+        raise ValueError("tp: KV transfer between tensor-parallel workers is not available in "
+                         "this build; run --tp with the mixed role")
     # Decode-only: its matmuls are all decode-sized.
     cfg = dataclasses.replace(cfg, column_major_weights=DECODE_WORKER_COLUMN_MAJOR)
     use_shm = args.transfer_backend in ("auto", "shm") and not cfg.device.startswith("cuda")

@@ -15,6 +15,9 @@ from pdserve.worker.scheduler_thread import SchedulerThread
 
 
 def build(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
+    if cfg.tp_size > 1:
+        raise ValueError("tp: KV transfer between tensor-parallel workers is not available in "
+                         "this build; run --tp with the mixed role")
     parts = build_engine_parts(cfg)
     mc = parts.runner.model_config
     kv = KVManager("prefill", parts.memory.pool.buffer, transfer_config_from_args(args),
