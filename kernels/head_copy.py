@@ -17,7 +17,6 @@ bytes and both base addresses.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 
@@ -26,7 +25,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.page_copy import check_head_pools
-from pdserve.kernels.page_p2p_copy import _MAX_GRID_Y, _index
+from pdserve.kernels.page_p2p_copy import _MAX_GRID_Y, launch
 
 TILE = 4096  # words per program
 NUM_WARPS = 4
@@ -97,10 +96,4 @@ def copy_heads(src_pool: torch.Tensor, dst_pool: torch.Tensor,
                src_head: int, dst_head: int, num_heads: int) -> None:
     """As `kernels.page_copy.copy_heads`, in one launch on src_pool's device (current stream).
     Page indices are not bounds-checked here: callers pass validated pages."""
-    copier = HeadCopier(src_pool, dst_pool, src_head, dst_head, num_heads)
-    src_idx, dst_idx = _index(src_pages, copier.device), _index(dst_pages, copier.device)
-    if src_idx.shape != dst_idx.shape:
-        raise ValueError(f"dst_pages: {dst_idx.numel()} pages for {src_idx.numel()} source pages")
-    on_gpu = copier.device.type == "cuda"
-    with torch.cuda.device(copier.device) if on_gpu else contextlib.nullcontext():
-        copier(src_idx, dst_idx)
+    launch(HeadCopier(src_pool, dst_pool, src_head, dst_head, num_heads), src_pages, dst_pages)
