@@ -23,7 +23,8 @@ from pdserve.engine.memory import KVMemory
 from pdserve.engine.model_runner import ModelRunner, default_attention_backend, num_kv_pages
 from pdserve.engine.models.layers import set_weight_layout
 from pdserve.engine.tp.group import TPGroup, rank_device
-from pdserve.engine.tp.layout import check_tp
+from pdserve.engine.tp.layout import TPShard, check_tp
+from pdserve.engine.tp.pools import PoolShare, RankPools
 from pdserve.engine.tp.ranks import RankSet
 
 # The decode-only worker's matmul weight layout (measured on an H200, docs/performance.md):
@@ -90,6 +91,7 @@ class EngineParts:
     tokenizer: object
     load_s: float
     ranks: RankSet | None = None  # the other tensor-parallel ranks (tp_size > 1)
+    pools: RankPools | None = None  # every rank's pool, mapped here (built with a PoolShare)
 
     def watch_ranks(self, on_lost: Callable[[str], None]) -> None:
         """`on_lost(message)` once, if a tensor-parallel rank dies; the runner refuses to run
@@ -104,15 +106,18 @@ class EngineParts:
         self.ranks.watch(lost)
 
     def close(self) -> None:
-        """Stops the other tensor-parallel ranks (nothing to do with one rank)."""
+        """Stops the other tensor-parallel ranks, then releases the shared pools."""
         if self.ranks is not None:
             self.ranks.close(self.runner.tp)
+        if self.pools is not None:
+            self.pools.close()
 
 
-def build_engine_parts(config: EngineConfig, pool_buffer: torch.Tensor | None = None
-                       ) -> EngineParts:
+def build_engine_parts(config: EngineConfig, pool_buffer: torch.Tensor | None = None,
+                       share: PoolShare | None = None) -> EngineParts:
     """Load the model and tokenizer and size the KV pool. `pool_buffer`: externally owned
-    pool memory (e.g. shared memory for same-host KV transfer), shaped like KVPool.buffer."""
+    pool memory (e.g. shared memory for same-host KV transfer), shaped like KVPool.buffer.
+    `share`: every rank allocates its pool with it, and this process maps them all (`pools`)."""
     from pdserve.engine.loader import load_tokenizer, read_model_config
 
     t0 = time.perf_counter()
@@ -120,33 +125,53 @@ def build_engine_parts(config: EngineConfig, pool_buffer: torch.Tensor | None = 
     ranks = None
     if config.tp_size > 1:
         check_tp(read_model_config(path), config.tp_size)  # before starting any rank
-        ranks = RankSet(config)
+        ranks = RankSet(config, share)
     try:
         tp = ranks.connect() if ranks is not None else TPGroup()
-        runner = build_runner(config, tp, pool_buffer, ranks.wait if ranks is not None else None)
+        runner = build_runner(config, tp, pool_buffer, share,
+                              (lambda stage, _="": ranks.wait(stage)) if ranks else None)
+        pools = _rank_pools(config, runner, share, ranks) if share is not None else None
         tokenizer = load_tokenizer(path)
     except BaseException:
         if ranks is not None:
             ranks.close(None)
+        if share is not None:
+            share.close()
         raise
     mc, cache = runner.model_config, config.cache
     max_ctx = min(cache.max_context_len or mc.max_position_embeddings,
                   mc.max_position_embeddings)
     memory = KVMemory(runner.pool, cache.max_reqs, max_ctx, config.disable_radix_cache)
-    return EngineParts(config, runner, memory, tokenizer, time.perf_counter() - t0, ranks)
+    return EngineParts(config, runner, memory, tokenizer, time.perf_counter() - t0, ranks, pools)
+
+
+def _rank_pools(config: EngineConfig, runner: ModelRunner, share: PoolShare,
+                ranks: RankSet | None) -> RankPools:
+    """Rank 0's pool and every other rank's, mapped from the handles they published."""
+    mc, pool, size = runner.model_config, runner.pool, config.tp_size
+    shards = [TPShard.of(mc, size, r) for r in range(size)]
+    handles = [runner.pool_handle] + [ranks.value("pool", r) for r in range(1, size)]
+    tensors = [pool.buffer] + [
+        share.attach(handles[r], (pool.num_pages, *pool.buffer.shape[1:4],
+                                  shards[r].num_kv_heads, mc.head_dim),
+                     pool.dtype, rank_device(config.device, r)) for r in range(1, size)]
+    return RankPools(tensors, handles, [(s.kv_head_start, s.num_kv_heads) for s in shards],
+                     share.close)
 
 
 def build_runner(config: EngineConfig, tp: TPGroup, pool_buffer: torch.Tensor | None = None,
-                 sync: Callable[[str], None] | None = None) -> ModelRunner:
-    """This rank's model shard, KV pool, attention backend and runner. `sync(stage)` marks
-    start-up stages between ranks (rank 0 waits for the others, they report)."""
+                 share: PoolShare | None = None,
+                 sync: Callable[[str, str], None] | None = None) -> ModelRunner:
+    """This rank's model shard, KV pool, attention backend and runner. `sync(stage, value)`
+    marks start-up stages between ranks (rank 0 waits for the others, they report; "pool"
+    carries the handle of a pool allocated with `share`)."""
     from pdserve.engine.loader import load_model
 
     device = rank_device(config.device, tp.rank)
     dtype = config.torch_dtype
     model, model_config = load_model(config.model_path(), dtype=dtype, device=device, tp=tp)
     if sync is not None:
-        sync("loading")
+        sync("loading", "1")
     cache, shard = config.cache, model.shard
     local_pages = (int(pool_buffer.shape[0]) if pool_buffer is not None else num_kv_pages(
         model_config, cache, dtype, device, shard.num_kv_heads,
@@ -155,6 +180,13 @@ def build_runner(config: EngineConfig, tp: TPGroup, pool_buffer: torch.Tensor | 
     if pool_buffer is not None and num_pages != local_pages:
         raise ValueError(f"num_pages: rank {tp.rank}'s pool holds {local_pages} pages, "
                          f"another rank only {num_pages}")
+    shape = (num_pages, model_config.num_layers, 2, cache.page_size, shard.num_kv_heads,
+             model_config.head_dim)
+    handle = ""
+    if share is not None:
+        pool_buffer, handle = share.create(shape, dtype, device)
+    if sync is not None:
+        sync("pool", handle)
     pool = KVPool(num_pages, model_config.num_layers, cache.page_size, shard.num_kv_heads,
                   model_config.head_dim, dtype, device, pool_buffer)
     backend = default_attention_backend(device, config.attention_backend,
@@ -169,6 +201,7 @@ def build_runner(config: EngineConfig, tp: TPGroup, pool_buffer: torch.Tensor | 
     if device.type == "cuda" and config.column_major_weights:
         set_weight_layout(model.projection_weights(), column_major=True)
     runner = ModelRunner(model, model_config, pool, backend, tp)
+    runner.pool_handle = handle
     if device.type == "cuda" and not config.disable_cuda_graph:
         runner.enable_cuda_graph(min(config.cuda_graph_max_bs, config.scheduler.max_running))
     tp.barrier()  # every rank is ready

@@ -105,6 +105,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.cuda_graph = None  # a CudaGraphDecodeRunner once enable_cuda_graph() captured
         self.lost_rank: str | None = None  # set when a tensor-parallel rank died
+        self.pool_handle = ""  # how other processes of the worker map the pool (PoolShare)
 
     def enable_cuda_graph(self, max_batch_size: int = 256) -> None:
         """Captures decode CUDA graphs for batch sizes up to `max_batch_size` (CUDA only;

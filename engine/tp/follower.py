@@ -21,6 +21,7 @@ import torch.distributed as dist
 from pdserve.engine.engine import EngineConfig, build_runner
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tp.group import TPGroup, rank_device
+from pdserve.engine.tp.pools import PoolShare
 from pdserve.engine.tp.ranks import START_TIMEOUT_S, error_key, stage_key
 from pdserve.engine.tp.step import StepKind, recv_step
 
@@ -41,7 +42,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def follower_main(config: EngineConfig, rank: int, port: int, threads: int, parent_pid: int,
-                  log_level: int) -> None:
+                  log_level: int, share: PoolShare | None = None) -> None:
     _die_with_parent(parent_pid)
     logging.basicConfig(level=log_level, format=f"%(asctime)s tp-rank{rank} %(levelname)s "
                                                  "%(name)s: %(message)s")
@@ -51,13 +52,18 @@ def follower_main(config: EngineConfig, rank: int, port: int, threads: int, pare
     try:
         store.set(stage_key("connecting", rank), "1")
         group = TPGroup.connect(store, rank, config.tp_size, rank_device(config.device, rank))
-        runner = build_runner(config, group,
-                              sync=lambda stage: store.set(stage_key(stage, rank), "1"))
+        runner = build_runner(config, group, share=share,
+                              sync=lambda stage, value: store.set(stage_key(stage, rank), value))
     except BaseException as e:  # rank 0 reports it as this rank's failure
         log.exception("tensor-parallel rank %d: start-up failed", rank)
         store.set(error_key(rank), f"{type(e).__name__}: {e}")
         sys.exit(1)
-    sys.exit(follow(runner))
+    try:
+        code = follow(runner)
+    finally:
+        if share is not None:
+            share.close()
+    sys.exit(code)
 
 
 @torch.inference_mode()

@@ -36,6 +36,7 @@ from pdserve.engine.tp.step import send_stop
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import EngineConfig
+    from pdserve.engine.tp.pools import PoolShare
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ def error_key(rank: int) -> str:
 class RankSet:
     """Ranks 1..size-1 of the worker whose rank 0 builds this."""
 
-    def __init__(self, config: EngineConfig, start_timeout_s: float = START_TIMEOUT_S) -> None:
+    def __init__(self, config: EngineConfig, share: PoolShare | None = None,
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
         from pdserve.engine.tp.follower import follower_main
 
         self.size = config.tp_size
@@ -76,7 +78,7 @@ class RankSet:
         self.procs = [
             ctx.Process(target=follower_main, name=f"pdserve-tp-rank{r}", daemon=True,
                         args=(config, r, self.store.port, threads, os.getpid(),
-                              logging.getLogger().getEffectiveLevel()))
+                              logging.getLogger().getEffectiveLevel(), share))
             for r in range(1, self.size)]
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -101,6 +103,10 @@ class RankSet:
                                 f"{stage} within {self.start_timeout_s:.0f} s")
             if pending:
                 time.sleep(_POLL_S)
+
+    def value(self, stage: str, rank: int) -> str:
+        """What rank `rank` reported with `stage` (after wait(stage))."""
+        return self.store.get(stage_key(stage, rank)).decode()
 
     def _why(self, rank: int) -> str:
         if self.store.check([error_key(rank)]):
