@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
 	  $(BIN)/python -m pip install -q "$(TORCH_CPU)"; fi
-	$(BIN)/python -m pip install -q -e ".[dev,ucx]"
+	$(BIN)/python -m pip install -q -e ".[dev,ucx,nixl]"
 	touch $(STAMP)
 
 serve: install

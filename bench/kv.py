@@ -4,8 +4,11 @@ This process is the receiver (decode); a spawned child is the sender (prefill). 
 pages are drawn at random from the pool (as after churn) or contiguous. Per configuration it
 prints GB/s, per-request latency p50/p99 (from the sender's first send() to the moment decode's
 room reached Success), descriptors per request, the raw ceiling measured in the same run
-(memcpy between host buffers, or torch peer copy between GPUs) and the ratio; the receiver
-checks a checksum of every page that arrived.
+(memcpy between host buffers, torch peer copy between two GPUs, or a copy within the one GPU
+both processes share) and the ratio; the receiver checks a checksum of every page that arrived.
+The first row of each backend also gives the first room to the new peer (`first ms`, to set
+against the later rooms' p50) and the handshake before it (`bootstrap_ms`); UCX_TLS, when set,
+is recorded with every row.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -63,11 +67,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _devices(device: str) -> tuple[str, str]:
+    """(sender, receiver) devices: two GPUs when there are, else both processes on one."""
+    if device != "cuda":
+        return "cpu", "cpu"
+    return "cuda:0", "cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0"
+
+
 def memcpy_ceiling_gbps(nbytes: int, device: str, reps: int = 5) -> float:
-    """Raw copy between two buffers of one request's size: host memcpy, or GPU peer copy."""
-    if device == "cuda" and torch.cuda.device_count() >= 2:
-        a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-        b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    """Raw copy between two buffers of one request's size: host memcpy, GPU peer copy, or a
+    device-to-device copy on one GPU."""
+    if device == "cuda":
+        src, dst = _devices(device)
+        a = torch.empty(nbytes, dtype=torch.uint8, device=src)
+        b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
         sync = torch.cuda.synchronize
     else:
         a = torch.ones(nbytes, dtype=torch.uint8)
@@ -78,8 +91,8 @@ def memcpy_ceiling_gbps(nbytes: int, device: str, reps: int = 5) -> float:
         t0 = time.perf_counter()
         b.copy_(a)
         if sync is not None:
-            sync()
-            sync("cuda:1")
+            sync(a.device)
+            sync(b.device)
         best = min(best, time.perf_counter() - t0)
     if sync is None:  # host: the faster of torch's copy and a plain memcpy (numpy)
         an, bn = a.numpy(), b.numpy()
@@ -107,12 +120,12 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm) 
     head_dim = args.head_dim or head_dim
     max_pages = max(math.ceil(t / page_size) for t in args.tokens) * max(args.concurrency)
     num_pages = 2 * max_pages + 1  # room for random placement; page 0 reserved
-    cuda = args.device == "cuda" and torch.cuda.device_count() >= 2
+    src_dev, dst_dev = _devices(args.device)
     base = {"num_pages": num_pages, "num_layers": layers, "page_size": page_size,
             "num_kv_heads": heads, "head_dim": head_dim, "dtype": args.dtype,
             "model": args.model_shape}
-    src_spec = PoolSpec(**base, seed=0, device="cuda:0" if cuda else "cpu")  # type: ignore
-    dst_spec = PoolSpec(**base, shm=backend == "shm", device="cuda:1" if cuda else "cpu")  # type: ignore
+    src_spec = PoolSpec(**base, seed=0, device=src_dev)  # type: ignore
+    dst_spec = PoolSpec(**base, shm=backend == "shm", device=dst_dev)  # type: ignore
     cfg = TransferConfig(backend=backend, transfer_timeout_s=120, waiting_timeout_s=120,
                          ipc_copy=args.ipc_copy)
     sender = SenderProcess(src_spec, cfg)
@@ -121,6 +134,7 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm) 
     rows: list[dict] = []
     rng = random.Random(0)
     room = rng.getrandbits(62)
+    first: dict[str, float] = {}  # the pair's first room: to a peer never seen before
     try:
         for tokens in args.tokens:
             n_pages = math.ceil(tokens / page_size)
@@ -138,6 +152,7 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm) 
                         plan, receivers = [], []
                         for _ in range(conc):
                             room += 1
+                            first.setdefault("created", time.monotonic())
                             src = _pick_pages(rng, src_free, n_pages, layout)
                             dst = _pick_pages(rng, dst_free, n_pages, layout)
                             descs.append(len(merge_runs(
@@ -157,6 +172,11 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm) 
                                     done[rm] = r.state.since  # when the room reached it
                             time.sleep(0.002)
                         res = sender.wave_result(180.0)
+                        if "room" not in first:
+                            rm = receivers[0][0]
+                            first.update(room=rm, ms=(done[rm] - res["starts"][rm]) * 1e3,
+                                         bootstrap_ms=(res["starts"][rm] - first["created"])
+                                         * 1e3)
                         for rm, r, dst in receivers:
                             good = (r.poll() == KVPoll.Success
                                     and page_checksum(pool, dst) == res["checksums"][rm])
@@ -179,7 +199,10 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm) 
                         "p50_ms": round(lat[len(lat) // 2], 3),
                         "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 3),
                         "checksum_ok": ok, "model_shape": args.model_shape,
-                        "device": args.device,
+                        "device": args.device, "devices": f"{src_dev}->{dst_dev}",
+                        "first_ms": None if rows else round(first["ms"], 3),
+                        "bootstrap_ms": None if rows else round(first["bootstrap_ms"], 3),
+                        "ucx_tls": os.environ.get("UCX_TLS", ""),
                     })
     finally:
         mgr.close()
@@ -193,10 +216,12 @@ def format_table(rows: list[dict]) -> str:
     cols = [("backend", "backend"), ("layout", "layout"), ("tokens", "tokens"),
             ("page_size", "page"), ("concurrency", "conc"), ("descs_per_request", "desc/req"),
             ("gbps", "GB/s"), ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms"),
-            ("ceiling_gbps", "ceiling GB/s"), ("ratio", "ratio"), ("checksum_ok", "check")]
+            ("first_ms", "first ms"), ("ceiling_gbps", "ceiling GB/s"), ("ratio", "ratio"),
+            ("checksum_ok", "check")]
     table = [[h for _, h in cols]]
     for r in rows:
-        table.append([f"{r[k]:.1f}" if k == "descs_per_request" else str(r[k]) for k, _ in cols])
+        table.append([f"{r[k]:.1f}" if k == "descs_per_request" else
+                      "-" if r[k] is None else str(r[k]) for k, _ in cols])
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table)
 

@@ -18,7 +18,9 @@ Worker-facing API (one KVManager per worker; rooms are 63-bit bootstrap ids)::
 `pool_buffer` is the page-major pool tensor `[num_pages, num_layers, 2, page_size, kv_heads,
 head_dim]` (page 0 reserved), or on decode a ShmPoolBuffer from `alloc_shm_pool(...)` so that a
 prefill worker on the same host writes pages one-sided (backend "shm"). Backends: shm (same
-host, host memory), cuda_ipc (same host, GPU), tcp (pyzmq, any host), ucx (ucxx, any host).
+host, host memory), cuda_ipc (same host, GPU), nixl (NIXL, any host: one-sided writes into the
+registered pool), ucx (ucxx, any host), tcp (pyzmq, any host). With "auto" each pair picks by
+where the peer is (hosts.py); `mgr.offered_backends` lists what a worker offers.
 
 Ownership: source pages stay the prefill scheduler's and must not be reused before the sender
 is Success/Failed; destination pages stay the decode scheduler's and are not written after the

@@ -24,8 +24,9 @@ import zmq
 log = logging.getLogger("pdserve.kvtransfer")
 
 # Message types.
-HELLO = b"HELLO"  # decode -> prefill: fingerprint, manager id, transports offered
-HELLO_OK = b"HELLO_OK"  # prefill -> decode: chosen backend
+HELLO = b"HELLO"  # decode -> prefill: fingerprint, host, backends offered, running transports
+HELLO_OK = b"HELLO_OK"  # prefill -> decode: chosen backend, why, prefill's host
+NEED = b"NEED"  # prefill -> decode: start the chosen backend's engine, then HELLO again
 REFUSE = b"REFUSE"  # prefill -> decode: handshake refused (reason names the field)
 REGISTER = b"REGISTER"  # decode -> prefill: room, aux slot; blob: destination pages (int32)
 ABORT = b"ABORT"  # either way: room, reason

@@ -1,15 +1,20 @@
 """Decode half of the KVManager: one DEALER per prefill worker, per-room receivers, the
-receiving engines.
+receiving engines (decode_engines.py).
+
+Handshake: HELLO (fingerprint, host, the backends offered, how to reach the running ones) ->
+prefill chooses (hosts.py) and answers HELLO_OK, REFUSE, or NEED when the chosen engine is not
+running here yet: it is started and the HELLO sent again.
 
 Threads: the control loop owns every DEALER and the peer table; engine threads (tcp, ucx) place
 chunks through place_chunk(); scheduler threads call create_receiver / init / poll / abort.
 Ownership: destination pages belong to the decode scheduler. With a one-sided backend (shm,
-cuda_ipc) prefill writes them directly, so a room that decode fails is reported Failed only
+cuda_ipc, nixl) prefill writes them directly, so a room that decode fails is reported Failed only
 after prefill confirmed the abort (or died): only then may the scheduler reuse its pages.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -22,12 +27,18 @@ import zmq
 
 from pdserve.kvtransfer import control as C
 from pdserve.kvtransfer.aux import AuxSlots
+from pdserve.kvtransfer.backends import ONE_SIDED_BACKENDS
 from pdserve.kvtransfer.config import TransferConfig
-from pdserve.kvtransfer.engine import ChunkHeader, TransferEngine
+from pdserve.kvtransfer.decode_engines import ReceivingEngines
+from pdserve.kvtransfer.engine import ChunkHeader
 from pdserve.kvtransfer.fingerprint import Fingerprint
+from pdserve.kvtransfer.hosts import host_id
 from pdserve.kvtransfer.poll import KVPoll
 from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
 from pdserve.kvtransfer.trace import stamp
+
+log = logging.getLogger("pdserve.kvtransfer")
 
 
 @dataclass
@@ -42,24 +53,22 @@ class _PrefillPeer:
 
 class DecodeSide:
     def __init__(self, pool: torch.Tensor, config: TransferConfig, fingerprint: Fingerprint,
-                 engines: list[TransferEngine]) -> None:
+                 offers: list[str], eager: list[str], shm: ShmPoolBuffer | None) -> None:
         self.pool = pool
         self.num_pool_pages = int(pool.shape[0])
         self.page_bytes = pool[0].numel() * pool.element_size()
         self.config = config
         self.fingerprint = fingerprint
+        self.host = host_id(config.host_id)
         self.ident = secrets.token_bytes(16)
         self.aux_slots = AuxSlots(config.num_aux_slots)
-        self.engines = engines
-        self._transports: list[list[Any]] = []
-        for eng in engines:
-            eng.register("kv", pool)
-            eng.register("aux", self.aux_slots.buffer)
-            self._transports.append([eng.name, eng.start_receiver(self)])
         self._lock = threading.Lock()  # guards _receivers
         self._receivers: dict[int, KVReceiver] = {}
         self._aborting: dict[int, tuple[KVReceiver, str, float]] = {}  # control loop only
         self._peers: dict[str, _PrefillPeer] = {}  # control loop only
+        # Engines may place chunks as soon as they start: the room tables exist first.
+        self.engines = ReceivingEngines(offers, eager, pool, self.aux_slots.buffer, config,
+                                        self, shm)
         self.loop = C.ControlLoop(self._tick, min(0.05, config.heartbeat_interval_s / 4),
                                   "kv-decode-control")
         self._last_ping = 0.0
@@ -98,7 +107,7 @@ class DecodeSide:
 
             def _go() -> None:
                 peer = self._peers.get(r.bootstrap_addr)
-                one_sided = peer is not None and peer.backend in ("shm", "cuda_ipc")
+                one_sided = peer is not None and peer.backend in ONE_SIDED_BACKENDS
                 if peer is not None:
                     C_body = {"room": r.room, "reason": reason, "want_ack": one_sided}
                     self._send(peer, C.ABORT, C_body)
@@ -118,7 +127,7 @@ class DecodeSide:
             self._release(r)
 
     def registered_regions(self) -> list[str]:
-        return sorted({name for e in self.engines for name in e.registered})
+        return self.engines.registered()
 
     def close(self) -> None:
         def _bye() -> None:
@@ -130,8 +139,7 @@ class DecodeSide:
                 self._finish_fail(r, "decode worker closing")
 
         self.loop.stop(_bye)
-        for eng in self.engines:
-            eng.close()
+        self.engines.close()
 
     # -- engine-facing (ReceiveHandler) ---------------------------------------------------
     def place_chunk(self, peer: str, header: ChunkHeader, nbytes: list[int] | None,
@@ -180,9 +188,23 @@ class DecodeSide:
             peer = _PrefillPeer(addr, sock, time.monotonic())
             self._peers[addr] = peer
             self.loop.add_socket(sock, lambda frames, p=peer: self._on_message(p, frames))
-            self._send(peer, C.HELLO, {"fingerprint": self.fingerprint.to_dict(),
-                                       "transports": self._transports})
+            self._hello(peer)
         return peer
+
+    def _hello(self, peer: _PrefillPeer) -> None:
+        self._send(peer, C.HELLO, {"fingerprint": self.fingerprint.to_dict(),
+                                   "host": self.host, **self.engines.hello()})
+
+    def _on_need(self, peer: _PrefillPeer, backend: str) -> None:
+        """Prefill chose an engine that is not running here: start it, then say hello again
+        (with it, or without it in the offer if it failed to start)."""
+
+        def _again(err: str | None) -> None:
+            del err  # logged by the engines; the new HELLO no longer offers it
+            self.loop.call(lambda: self._hello(peer) if self._peers.get(peer.addr) is peer
+                           else None)
+
+        self.engines.start(backend, _again)
 
     def _send(self, peer: _PrefillPeer, kind: bytes, body: dict[str, Any], *blobs: bytes) -> None:
         try:
@@ -207,12 +229,16 @@ class DecodeSide:
         peer.last_seen = time.monotonic()
         if kind == C.HELLO_OK:
             peer.backend = str(body["backend"])
+            log.info("kv transfer with prefill %s (host %r): %s", peer.addr, body.get("host"),
+                     body.get("reason", peer.backend))
             for room in peer.queued:
                 with self._lock:
                     r = self._receivers.get(room)
                 if r is not None:
                     self._send_register(peer, r)
             peer.queued.clear()
+        elif kind == C.NEED:
+            self._on_need(peer, str(body["backend"]))
         elif kind == C.REFUSE:
             self._drop_peer(peer, f"prefill {peer.addr} refused: {body.get('reason')}")
         elif kind == C.ABORT:
@@ -232,7 +258,7 @@ class DecodeSide:
                     if r is not None:
                         r.queued_at_peer = now
         elif kind == C.NOTIFY:  # one-sided engines without their own notification channel
-            eng = next((e for e in self.engines if e.name == peer.backend), None)
+            eng = self.engines.get(peer.backend)
             if eng is not None and eng.one_sided and blobs:
                 eng.deliver(blobs[0], blobs[1] if len(blobs) > 1 else b"")
 

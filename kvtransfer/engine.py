@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import torch
@@ -63,6 +64,14 @@ class TransferEngine(ABC):
         """Start accepting chunks; returns what a sender needs to reach us (JSON-able)."""
 
     # -- sending side (one transfer thread) -----------------------------------------------
+    def connect(self, peer: str, peer_info: dict[str, Any]) -> Future | None:
+        """Set up the connection to a peer at handshake, so that no request waits for it
+        (backends.CONNECT_AT_BOOTSTRAP). None once connected (raises if the peer cannot be
+        reached), or a Future that completes when it is, for connections that take a network
+        round trip: the transfer thread does not wait for them, so other peers' chunks keep
+        moving. write() connects on its own to a peer it does not know yet."""
+        return None
+
     @abstractmethod
     def write(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> None:
         """Move the header's descriptors from the local "kv" region into the peer's pool.

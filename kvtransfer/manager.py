@@ -8,27 +8,40 @@ from typing import Literal
 import torch
 from typing_extensions import Self
 
-from pdserve.kvtransfer.backends import make_engine
+from pdserve.kvtransfer.backends import available_backends, importable
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.decode_side import DecodeSide
-from pdserve.kvtransfer.engine import TransferEngine
 from pdserve.kvtransfer.fingerprint import Fingerprint
+from pdserve.kvtransfer.hosts import SAME_HOST_BACKENDS, offers_for
 from pdserve.kvtransfer.prefill_side import PrefillSide
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
 from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
 
 
-def _decode_backends(config: TransferConfig, pool: torch.Tensor, shm: bool) -> list[str]:
-    """What decode offers, best first; prefill takes the first it can use."""
-    if config.backend == "auto":
-        names = ["shm"] if shm else []
-        names += ["cuda_ipc"] if pool.is_cuda else ["tcp"]
-        return names
+def _check_installed(config: TransferConfig, pool: torch.Tensor) -> None:
+    """A pinned backend this process cannot run is a configuration error, found at start-up."""
+    name = config.backend
+    if name == "cuda_ipc" and not pool.is_cuda:
+        raise ValueError("backend: 'cuda_ipc' needs the pool on a GPU")
+    if name in ("ucx", "nixl") and not importable(name):
+        extra = {"ucx": "ucxx (pip install 'pdserve[ucx]')",
+                 "nixl": "NIXL (pip install 'pdserve[nixl]')"}[name]
+        raise ValueError(f"backend: {name!r} needs {extra}, which is not installed")
+
+
+def _decode_engines(config: TransferConfig, pool: torch.Tensor,
+                    shm: bool) -> tuple[list[str], list[str]]:
+    """(what decode offers, best first; the engines it starts at once). Prefill picks from the
+    offer by host (hosts.py); the cross-host engines start when first chosen."""
     if config.backend == "shm" and not shm:
         raise ValueError("backend: 'shm' needs the decode pool in shared memory "
                          "(pool_buffer=alloc_shm_pool(...))")
-    return [config.backend]
+    offers = offers_for(config.backend, shm, pool.is_cuda, importable)
+    if config.backend != "auto":
+        return offers, offers
+    eager = [n for n in offers if n in SAME_HOST_BACKENDS or (n == "tcp" and not pool.is_cuda)]
+    return offers, eager
 
 
 class KVManager:
@@ -50,23 +63,27 @@ class KVManager:
         own = Fingerprint.from_pool_buffer(self.fingerprint.model, pool)
         if (msg := own.mismatch(self.fingerprint, "pool_buffer", "fingerprint")) is not None:
             raise ValueError(msg)
+        _check_installed(config, pool)
         self._prefill: PrefillSide | None = None
         self._decode: DecodeSide | None = None
         if role == "prefill":
             self._prefill = PrefillSide(pool, config, self.fingerprint)
         else:
-            engines: list[TransferEngine] = []
-            try:
-                for name in _decode_backends(config, pool, shm is not None):
-                    engines.append(make_engine(name, host=config.bootstrap_host, shm_pool=shm,
-                                               send_timeout_s=config.transfer_timeout_s,
-                                               ipc_copy=config.ipc_copy))
-                self._decode = DecodeSide(pool, config, self.fingerprint, engines)
-            except Exception:
-                for e in engines:
-                    e.close()
-                raise
+            offers, eager = _decode_engines(config, pool, shm is not None)
+            self._decode = DecodeSide(pool, config, self.fingerprint, offers, eager, shm)
         self._closed = False
+
+    @property
+    def offered_backends(self) -> list[str]:
+        """Decode: the backends it offers prefill workers, best first. Prefill: the backends it
+        can send with (a pinned one, or every one this process can run)."""
+        if self._decode is not None:
+            return self._decode.engines.offers
+        if self.config.backend != "auto":
+            return [self.config.backend]
+        pool = self._prefill.pool if self._prefill is not None else None
+        gpu = pool is not None and pool.is_cuda
+        return [n for n in available_backends() if n != "cuda_ipc" or gpu]
 
     @property
     def bootstrap_addr(self) -> str:

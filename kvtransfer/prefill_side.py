@@ -1,16 +1,21 @@
-"""Prefill half of the KVManager: the bootstrap endpoint, per-room senders, the transfer thread.
+"""Prefill half of the KVManager: the bootstrap endpoint, the handshake, per-room senders.
 
 Threads: the control loop owns the ROUTER (bootstrap endpoint) and the peer table; the transfer
-thread owns the engines' sending state and runs every write in submission order; scheduler
-threads call create_sender / send / poll / abort. Ownership: a room is in `_senders` from
-create_sender until it ends (Success or Failed); then only a tombstone remains, so late
-messages for it are dropped.
+thread (prefill_transfers.py) owns the engines' sending state and runs every write in
+submission order; scheduler threads call create_sender / send / poll / abort. Ownership: a room
+is in `_senders` from create_sender until it ends (Success or Failed); then only a tombstone
+remains, so late messages for it are dropped.
+
+Handshake: a decode's HELLO names its host and the backends it offers; prefill chooses one by
+where the peer is (hosts.choose_backend), asks decode to start it if it is not running there
+(NEED), connects to it on the transfer thread when the backend sets connections up
+(CONNECT_AT_BOOTSTRAP), and only then answers HELLO_OK: a peer's first room finds the
+connection made. A connection that fails is chosen around (auto) or refused naming both hosts.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,14 +26,13 @@ import torch
 import zmq
 
 from pdserve.kvtransfer import control as C
-from pdserve.kvtransfer.backends import INLINE_BACKENDS, make_engine
-from pdserve.kvtransfer.backends.shm import ShmEngine
 from pdserve.kvtransfer.config import TransferConfig
-from pdserve.kvtransfer.engine import ChunkHeader, TransferEngine
+from pdserve.kvtransfer.engine import ChunkHeader
 from pdserve.kvtransfer.fingerprint import Fingerprint
 from pdserve.kvtransfer.poll import KVPoll
+from pdserve.kvtransfer.prefill_handshake import Handshakes
+from pdserve.kvtransfer.prefill_transfers import TransferThread
 from pdserve.kvtransfer.sender import KVSender
-from pdserve.kvtransfer.trace import stamp
 
 log = logging.getLogger("pdserve.kvtransfer")
 
@@ -55,11 +59,6 @@ class PrefillSide:
         self._pending: dict[int, tuple[bytes, np.ndarray, int, float]] = {}
         self._tombstones: dict[int, float] = {}
         self._peers: dict[bytes, _DecodePeer] = {}  # control loop only
-        self._engines: dict[str, TransferEngine] = {}  # under _xfer_lock
-        # Held while a job runs, on the transfer thread or inline on the caller's (submit()).
-        self._xfer_lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[tuple[KVSender, ChunkHeader] | bytes | None] = (
-            queue.SimpleQueue())
         self.loop = C.ControlLoop(self._tick, min(0.05, config.heartbeat_interval_s / 4),
                                   "kv-prefill-control")
         self._router = self.loop.ctx.socket(zmq.ROUTER)
@@ -73,10 +72,10 @@ class PrefillSide:
             port = self._router.bind_to_random_port(f"tcp://{host}")
         self.bootstrap_addr = f"{host}:{port}"
         self.loop.add_socket(self._router, self._on_message)
-        self._xfer = threading.Thread(target=self._transfer_loop, name="kv-prefill-transfer",
-                                      daemon=True)
+        self.xfer = TransferThread(pool, config, self._notify_via_control)
+        self.handshakes = Handshakes(fingerprint, config, pool.is_cuda, self.xfer, self.loop,
+                                     self._send, self._accept)
         self.loop.start()
-        self._xfer.start()
 
     # -- scheduler-facing -----------------------------------------------------------------
     def create_sender(self, room: int) -> KVSender:
@@ -89,19 +88,13 @@ class PrefillSide:
         return sender
 
     def submit(self, sender: KVSender, header: ChunkHeader) -> None:
-        """Backends whose writes only launch asynchronous copies (cuda_ipc) run the job on the
-        caller's thread: handing it to the transfer thread cost ~0.2-0.3 ms of a 512 MiB
-        transfer's ~2 ms. The others (host memcpy, network sends) queue it."""
-        if sender.backend in INLINE_BACKENDS:
-            self._run_job(sender, header)
-        else:
-            self._jobs.put((sender, header))
+        self.xfer.submit(sender, header)
 
     def fail_room(self, sender: KVSender, reason: str, tell_peer: bool) -> None:
         with sender.write_lock:  # waits for a one-sided write of this room to be issued
             if not sender.state.fail(reason):
                 return
-            eng = self._engines.get(sender.backend)
+            eng = self.xfer.engine(sender.backend)
             if eng is not None:
                 eng.quiesce()  # ...and to land: decode may reuse its pages once we confirm
         self._release(sender.room)
@@ -111,7 +104,7 @@ class PrefillSide:
                                                               "reason": reason}))
 
     def registered_regions(self) -> list[str]:
-        return sorted({r for e in self._engines.values() for r in e.registered})
+        return self.xfer.registered_regions()
 
     def close(self) -> None:
         with self._lock:
@@ -119,8 +112,7 @@ class PrefillSide:
         for s in senders:
             s.abort("prefill worker closing")
         self.loop.stop()
-        self._jobs.put(None)
-        self._xfer.join(timeout=10)
+        self.xfer.close()
 
     # -- control loop ---------------------------------------------------------------------
     def _send(self, ident: bytes, kind: bytes, body: dict[str, Any], *blobs: bytes) -> None:
@@ -166,7 +158,13 @@ class PrefillSide:
         if peer is not None:
             peer.last_seen = now
         if kind == C.HELLO:
-            self._on_hello(ident, body, now)
+            self.handshakes.on_hello(ident, body)
+        elif peer is None and self.handshakes.pending(ident):
+            if kind == C.PING:  # still connecting: alive, no rooms yet
+                self._send(ident, C.PONG, {"rooms": []})
+            elif kind == C.BYE:
+                self.handshakes.end(ident)
+                self.xfer.drop_peer(ident)
         elif peer is None:
             # A decode that knew a previous incarnation of this worker: make it re-handshake.
             self._send(ident, C.REFUSE, {"reason": "unknown peer (prefill restarted?)"})
@@ -200,27 +198,8 @@ class PrefillSide:
         elif kind == C.BYE:
             self._drop_peer(peer, "decode worker closed")
 
-    def _on_hello(self, ident: bytes, body: dict[str, Any], now: float) -> None:
-        theirs = Fingerprint.from_dict(body["fingerprint"])
-        msg = self.fingerprint.mismatch(theirs, "prefill", "decode")
-        transports: list[list[Any]] = body.get("transports", [])
-        backend, info = "", {}
-        if msg is None:
-            for name, tinfo in transports:
-                if self.config.backend not in ("auto", name):
-                    continue
-                if name == "shm" and not ShmEngine.usable(tinfo):
-                    continue
-                backend, info = name, tinfo
-                break
-            else:
-                msg = (f"backend: prefill uses {self.config.backend!r}, decode offers "
-                       f"{[t[0] for t in transports]}")
-        if msg is not None:
-            self._send(ident, C.REFUSE, {"reason": msg})
-            return
-        self._peers[ident] = _DecodePeer(ident, backend, info, now)
-        self._send(ident, C.HELLO_OK, {"backend": backend})
+    def _accept(self, ident: bytes, backend: str, info: dict[str, Any]) -> None:
+        self._peers[ident] = _DecodePeer(ident, backend, info, time.monotonic())
 
     def _on_abort(self, ident: bytes, room: int, reason: str, want_ack: bool) -> None:
         with self._lock:
@@ -242,7 +221,7 @@ class PrefillSide:
                     del self._pending[room]
         for s in senders:
             self.fail_room(s, reason, tell_peer=False)
-        self._jobs.put(peer.ident)  # the transfer thread drops the engine connection
+        self.xfer.drop_peer(peer.ident)  # the transfer thread drops the engine connection
 
     def _tick(self) -> None:
         now, cfg = time.monotonic(), self.config
@@ -250,6 +229,7 @@ class PrefillSide:
             if now - peer.last_seen > cfg.heartbeat_window_s:
                 self._drop_peer(peer, f"decode peer silent for {now - peer.last_seen:.1f}s "
                                       f"(heartbeat window {cfg.heartbeat_window_s:.1f}s)")
+        self.handshakes.expire(now)
         with self._lock:
             senders = list(self._senders.values())
             for room, reg in list(self._pending.items()):
@@ -269,52 +249,3 @@ class PrefillSide:
             elif (st == KVPoll.Transferring
                   and now - s.state.progress > cfg.transfer_timeout_s):
                 s.abort(f"transfer timeout ({cfg.transfer_timeout_s}s)")
-
-    # -- transfer thread ------------------------------------------------------------------
-    def _engine(self, name: str) -> TransferEngine:
-        eng = self._engines.get(name)
-        if eng is None:
-            eng = make_engine(name, host=self.config.bootstrap_host,
-                              send_timeout_s=self.config.transfer_timeout_s,
-                              ipc_copy=self.config.ipc_copy)
-            eng.register("kv", self.pool)
-            self._engines[name] = eng
-        return eng
-
-    def _transfer_loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                break
-            if isinstance(job, bytes):
-                with self._xfer_lock:
-                    for eng in self._engines.values():
-                        eng.drop_peer(job.hex())
-                continue
-            self._run_job(*job)
-        with self._xfer_lock:
-            for eng in self._engines.values():
-                eng.close()
-            self._engines.clear()
-
-    def _run_job(self, sender: KVSender, header: ChunkHeader) -> None:
-        stamp("dequeue", sender.room)
-        ident = sender.peer
-        if ident is None:  # send() refuses rooms decode has not registered
-            return
-        try:
-            with self._xfer_lock:
-                eng = self._engine(sender.backend)
-                with sender.write_lock:
-                    if sender.state.done:
-                        return
-                    eng.write(ident.hex(), sender.peer_info, header)
-                stamp("launched", sender.room)
-                # One-sided: the pages are written; tell decode straight from this thread
-                # when the engine can, else over the control channel.
-                if eng.one_sided and not eng.notify(ident.hex(), sender.peer_info, header):
-                    self._notify_via_control(ident, (header.to_bytes(), eng.completion()))
-                stamp("notified", sender.room)
-        except Exception as e:  # noqa: BLE001 - any transport error fails the room
-            log.warning("room %d: transfer failed: %s", sender.room, e)
-            sender.abort(f"transfer failed: {e}")

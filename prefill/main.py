@@ -25,7 +25,8 @@ def build(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
     sched = PrefillScheduler(parts.runner, parts.memory, cfg.scheduler, kv_manager=kv)
     thread = SchedulerThread(sched, name="prefill-scheduler")
     service = PrefillService(thread, mc, parts.memory, mc.name, args.transfer_backend,
-                             bootstrap_addr=kv.bootstrap_addr)
+                             bootstrap_addr=kv.bootstrap_addr,
+                             transfer_backends=kv.offered_backends)
     return WorkerParts(service, thread, [kv.close], parts)
 
 

@@ -1,12 +1,15 @@
 """Regenerate proto/pdserve_pb2*.py from proto/pdserve.proto (`make proto`).
 
 The modules are generated as `pdserve/proto/...` so that they import each other as
-`pdserve.proto.*`, then copied next to the .proto file.
+`pdserve.proto.*`, then copied next to the .proto file. protoc runs in a child process: its
+compiler and NIXL's libraries (protobuf and abseil of other versions) crash a process that loads
+both, as a test run that used the nixl backend would.
 """
 
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -17,19 +20,18 @@ OUTPUTS = ("pdserve_pb2.py", "pdserve_pb2.pyi", "pdserve_pb2_grpc.py")
 
 def generate(out_dir: Path) -> dict[str, str]:
     """Run protoc into a scratch directory; return {file name: text}."""
-    from grpc_tools import protoc
-
     with tempfile.TemporaryDirectory() as tmp:
         args = [
-            "protoc",
+            sys.executable, "-m", "grpc_tools.protoc",
             f"-Ipdserve/proto={PROTO_DIR}",
             f"--python_out={tmp}",
             f"--grpc_python_out={tmp}",
             f"--pyi_out={tmp}",
             str(PROTO_DIR / "pdserve.proto"),
         ]
-        if protoc.main(args) != 0:
-            raise RuntimeError("protoc failed on proto/pdserve.proto")
+        done = subprocess.run(args, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"protoc failed on proto/pdserve.proto: {done.stderr.strip()}")
         gen = Path(tmp) / "pdserve" / "proto"
         texts = {name: (gen / name).read_text() for name in OUTPUTS}
     for name, text in texts.items():

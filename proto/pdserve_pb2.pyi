@@ -153,7 +153,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., kv_pages_in_use: _Optional[int] = ..., num_inflight: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "bootstrap_addr", "model", "state", "load", "page_size", "max_context_len", "transfer_backend")
+    __slots__ = ("worker_id", "role", "address", "bootstrap_addr", "model", "state", "load", "page_size", "max_context_len", "transfer_backend", "transfer_backends")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class WorkerInfo(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -174,7 +175,8 @@ class WorkerInfo(_message.Message):
     page_size: int
     max_context_len: int
     transfer_backend: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., bootstrap_addr: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., page_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., transfer_backend: _Optional[str] = ...) -> None: ...
+    transfer_backends: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., bootstrap_addr: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., page_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., transfer_backends: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

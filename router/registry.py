@@ -46,6 +46,7 @@ class WorkerEntry:
     page_size: int = 0
     max_context_len: int = 0
     transfer_backend: str = ""
+    transfer_backends: tuple[str, ...] = ()
     load: pb.WorkerLoad = field(default_factory=pb.WorkerLoad)
     lease_deadline: float | None = None
     draining: bool = False
@@ -77,6 +78,7 @@ class WorkerEntry:
         self.page_size = info.page_size
         self.max_context_len = info.max_context_len
         self.transfer_backend = info.transfer_backend
+        self.transfer_backends = tuple(info.transfer_backends)
         if info.HasField("load"):
             self.load = info.load
 
@@ -85,13 +87,15 @@ class WorkerEntry:
             worker_id=self.worker_id, role=self.role, address=self.address,
             bootstrap_addr=self.bootstrap_addr, model=self.model, state=self.state,
             load=self.load, page_size=self.page_size, max_context_len=self.max_context_len,
-            transfer_backend=self.transfer_backend)
+            transfer_backend=self.transfer_backend,
+            transfer_backends=list(self.transfer_backends))
 
     def to_json(self) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "address": self.address,
                 "state": self.state, "bootstrap_addr": self.bootstrap_addr,
                 "static": self.static, "max_context_len": self.max_context_len,
-                "router_inflight": self.inflight, **load_to_dict(self.load)}
+                "router_inflight": self.inflight, "transfer_backend": self.transfer_backend,
+                "transfer_backends": list(self.transfer_backends), **load_to_dict(self.load)}
 
 
 class Registry:

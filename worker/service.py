@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
+from collections.abc import Sequence
 
 import grpc
 
@@ -34,12 +35,14 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
     role = "worker"
 
     def __init__(self, thread: SchedulerThread, model_config, memory, model_name: str,
-                 transfer_backend: str = "", bootstrap_addr: str = "") -> None:
+                 transfer_backend: str = "", bootstrap_addr: str = "",
+                 transfer_backends: Sequence[str] = ()) -> None:
         self.thread = thread
         self.model_config = model_config
         self.memory = memory
         self.model_name = model_name
         self.transfer_backend = transfer_backend
+        self.transfer_backends = list(transfer_backends)  # offered (decode) / usable (prefill)
         self.address = ""
         self.bootstrap_addr = bootstrap_addr
         self.draining = False
@@ -113,7 +116,7 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
             bootstrap_addr=self.bootstrap_addr, model=self.model_name,
             state="draining" if self.draining else "healthy", load=self.load(),
             page_size=self.memory.page_size, max_context_len=self.memory.max_context_len,
-            transfer_backend=self.transfer_backend)
+            transfer_backend=self.transfer_backend, transfer_backends=self.transfer_backends)
 
     def load(self) -> pb.WorkerLoad:
         return load_from_dict(self.thread.snapshot)

@@ -1,8 +1,9 @@
 """Transport backends. `make_engine(name, ...)` builds one; imports are lazy so that a host
-without ucxx (or CUDA) can still use the others."""
+without ucxx, NIXL (or CUDA) can still use the others."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import Any
 
@@ -12,6 +13,12 @@ log = logging.getLogger("pdserve.kvtransfer")
 
 # Writes that only launch asynchronous device copies: cheap enough for the sender's thread.
 INLINE_BACKENDS = frozenset({"cuda_ipc"})
+# The sender writes decode's pages itself: decode cannot refuse bytes, so a room decode fails
+# waits for prefill to confirm that no write of it is in flight before its pages are reused.
+ONE_SIDED_BACKENDS = frozenset({"shm", "cuda_ipc", "nixl"})
+# Backends whose connection to a peer is set up at handshake (engine.connect), so that the
+# first room to a new peer does not pay for it.
+CONNECT_AT_BOOTSTRAP = frozenset({"ucx", "nixl"})
 
 
 def make_engine(name: str, **kwargs: Any) -> TransferEngine:
@@ -31,20 +38,33 @@ def make_engine(name: str, **kwargs: Any) -> TransferEngine:
         from pdserve.kvtransfer.backends.cuda_ipc import CudaIpcEngine
 
         return CudaIpcEngine(**kwargs)
+    if name == "nixl":
+        from pdserve.kvtransfer.backends.nixl import NixlEngine
+
+        return NixlEngine(**kwargs)
     raise ValueError(f"backend: unknown {name!r}")
 
 
+def importable(name: str) -> bool:
+    """Whether this process has the package a backend needs (found, not imported: importing
+    NIXL loads dozens of libraries; a broken install shows when the engine starts)."""
+    if name == "ucx":
+        return importlib.util.find_spec("ucxx") is not None
+    if name == "nixl":
+        from pdserve.kvtransfer.backends.nixl_lib import nixl_module_name
+
+        return nixl_module_name() is not None
+    if name == "cuda_ipc":
+        import torch
+
+        return torch.cuda.is_available()
+    return name in ("shm", "tcp")
+
+
 def available_backends() -> list[str]:
-    """Backends usable in this process (ucx needs ucxx, cuda_ipc needs a GPU)."""
-    out = ["shm", "tcp"]
-    try:
-        import ucxx  # noqa: F401
-
-        out.append("ucx")
-    except ImportError:
-        log.info("ucx backend unavailable: ucxx does not import")
-    import torch
-
-    if torch.cuda.is_available():
-        out.append("cuda_ipc")
+    """Backends usable in this process (ucx needs ucxx, nixl a NIXL wheel, cuda_ipc a GPU)."""
+    out = [n for n in ("shm", "tcp", "ucx", "nixl", "cuda_ipc") if importable(n)]
+    for n in ("ucx", "nixl"):
+        if n not in out:
+            log.info("%s backend unavailable: its package is not installed", n)
     return out

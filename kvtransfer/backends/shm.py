@@ -13,7 +13,6 @@ nothing (docs/performance.md, KV transfer).
 from __future__ import annotations
 
 import os
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,17 +21,8 @@ import torch
 
 from pdserve.kvtransfer.backends.same_host import SameHostEngine
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler
+from pdserve.kvtransfer.hosts import machine_id
 from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
-
-
-def host_id() -> str:
-    """Identifies this host's shared-memory namespace (hostname + boot id)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 def _copy_runs(dst: np.ndarray, src: np.ndarray, runs: list[list[int]]) -> None:
@@ -70,7 +60,8 @@ class ShmEngine(SameHostEngine):
 
     @staticmethod
     def usable(peer_info: dict[str, Any]) -> bool:
-        return peer_info.get("host") == host_id() and os.path.exists(
+        # The machine, not the announced host id: this is whether the segment can be mapped.
+        return peer_info.get("host") == machine_id() and os.path.exists(
             f"/dev/shm/{peer_info.get('name', '').lstrip('/')}")
 
     def start_receiver(self, handler: ReceiveHandler) -> dict[str, Any]:
@@ -79,7 +70,7 @@ class ShmEngine(SameHostEngine):
                              "(alloc_shm_pool)")
         pool = self._shm_pool
         return {"name": pool.name, "shape": list(pool.shape),
-                "dtype": str(pool.dtype).removeprefix("torch."), "host": host_id(),
+                "dtype": str(pool.dtype).removeprefix("torch."), "host": machine_id(),
                 **self._listen(handler)}
 
     def _attach(self, peer: str, info: dict[str, Any]) -> torch.Tensor:

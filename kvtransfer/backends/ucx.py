@@ -1,12 +1,20 @@
 """`ucx` backend over ucxx (tagged send/recv; UCX picks cuda_ipc/NVLink, RDMA, shm or TCP).
 
-ucxx has no one-sided put/get in Python, and each message costs tens of microseconds, so a chunk
-moves as ONE message: the sender gathers the chunk's pages into a staging buffer (or sends the
-pool slice directly when the chunk is one run), the receiver receives into a staging buffer and
-scatters it into the destination pages once the header is validated (kernels.page_copy). A
-rejected chunk is received into staging and dropped: the pool is never written.
-Threads: one asyncio loop thread per engine owns every ucxx object; write() blocks the caller's
-transfer thread on a future.
+ucxx has no one-sided put/get in Python (no memory handle or remote key), and each message
+costs tens of microseconds, so a chunk moves as a few large messages (staging.py): pieces of
+up to `stage_bytes`, each gathered into one of two staging buffers on the sender (or sent
+straight from the pool when its pages are one run) while the previous piece is on the wire,
+received into one of two staging buffers on the receiver and scattered into the destination
+pages once its header passed the room's checks. A rejected piece is received into staging and
+dropped: the pool is never written.
+
+The connection to a peer is made at handshake (`connect`), not on a request's path, and warmed
+with one message from each buffer a transfer uses (both staging buffers and the pool), so that
+UCX's endpoint wire-up, its registration caches and, on GPUs, the CUDA IPC mappings are in
+place before the first room.
+Threads: one asyncio loop thread per engine owns every ucxx object; write() runs on the
+caller's transfer thread, gathering pieces and handing them to a coroutine that sends them in
+order.
 """
 
 from __future__ import annotations
@@ -14,15 +22,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from pdserve.kernels.page_copy import gather_pages, scatter_pages
-from pdserve.kvtransfer.descriptors import DST, NUM, SRC, run_pages
+from pdserve.kvtransfer.backends.staging import (
+    RecvRing,
+    gather,
+    one_run,
+    piece_bytes,
+    scatter,
+    warm_copies,
+)
+from pdserve.kvtransfer.backends.staging import split as split_pieces
+from pdserve.kvtransfer.descriptors import NUM, SRC, run_pages
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
 
 log = logging.getLogger("pdserve.kvtransfer")
+WARM = b"PDKVWARM"  # then u64 byte count: a warm-up payload follows, received and dropped
 
 
 def _buf(t: torch.Tensor) -> Any:
@@ -34,13 +53,15 @@ def _buf(t: torch.Tensor) -> Any:
 class UcxEngine(TransferEngine):
     name = "ucx"
 
-    def __init__(self, host: str = "127.0.0.1", send_timeout_s: float = 30.0, **_: Any) -> None:
+    def __init__(self, host: str = "127.0.0.1", send_timeout_s: float = 30.0,
+                 stage_bytes: int = 0, **_: Any) -> None:
         super().__init__()
         import ucxx  # imported here: a host without ucxx can still use the other backends
 
         self._ucxx = ucxx
         self._host = host
         self._timeout = send_timeout_s
+        self._stage_bytes = stage_bytes
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-ucx",
                                         daemon=True)
@@ -48,7 +69,7 @@ class UcxEngine(TransferEngine):
         self._listener: Any = None
         self._eps: dict[str, Any] = {}  # sender: peer -> endpoint (loop thread only)
         self._recv_eps: list[Any] = []
-        self._staging: torch.Tensor | None = None  # sender gather buffer (transfer thread)
+        self._stages: list[torch.Tensor] = []  # sender: two staging buffers (transfer thread)
 
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -70,25 +91,42 @@ class UcxEngine(TransferEngine):
         pool = self.region("kv")
         page_bytes = pool[0].numel() * pool.element_size()
         max_bytes = pool.numel() * pool.element_size()
+        ring = RecvRing(pool)
         try:
             while True:
-                header = ChunkHeader.from_bytes(bytes(await ep.recv_obj()))
+                msg = bytes(await ep.recv_obj())
+                if msg.startswith(WARM):
+                    n = int.from_bytes(msg[len(WARM):], "little")
+                    if n > max_bytes:
+                        raise ValueError(f"warm-up of {n} bytes exceeds the pool")
+                    if n % page_bytes:
+                        raise ValueError(f"warm-up of {n} bytes is not whole pages")
+                    if n:
+                        buf = await ring.next(n)
+                        await ep.recv(_buf(buf))
+                        warm_copies(pool, ring.pages(buf))
+                    continue
+                header = ChunkHeader.from_bytes(msg)
                 nbytes = [n * page_bytes for n in header.descs[:, NUM].tolist()]
                 total = sum(nbytes)
                 if total > max_bytes:
                     raise ValueError(f"chunk of {total} bytes exceeds the pool")
-                staging = torch.empty(total, dtype=torch.uint8, device=pool.device)
+                buf = await ring.next(total)
                 if total:
-                    await ep.recv(_buf(staging))
-                stage = staging.view(pool.dtype).view(-1, *pool.shape[1:])
+                    await ep.recv(_buf(buf))
+                stage = ring.pages(buf)
 
                 def _write(views: list[torch.Tensor], stage: torch.Tensor = stage,
                            header: ChunkHeader = header) -> None:
                     del views  # the same pages, scattered in one pass
-                    scatter_pages(stage, pool, run_pages(header.descs, DST))
+                    scatter(stage, pool, header.descs)
+                    ring.scattered()
 
                 handler.place_chunk(f"ucx:{id(ep)}", header, nbytes, _write)
-        except Exception as e:  # noqa: BLE001 - the peer went away or misbehaved
+        except ValueError as e:  # a malformed or oversized message: this peer is cut off
+            log.warning("ucx: closing a sender's endpoint: %s", e)
+            await ep.close()
+        except Exception as e:  # noqa: BLE001 - the peer went away
             log.debug("ucx receive endpoint closed: %s", e)
 
     # -- sending --------------------------------------------------------------------------
@@ -99,25 +137,96 @@ class UcxEngine(TransferEngine):
             self._eps[peer] = ep
         return ep
 
+    def _staging(self, pool: torch.Tensor, b: int, pages: int) -> torch.Tensor:
+        if not self._stages:
+            n = max(1, piece_bytes(pool, self._stage_bytes) // (pool[0].numel()
+                                                                 * pool.element_size()))
+            self._stages = [torch.empty((n, *pool.shape[1:]), dtype=pool.dtype,
+                                        device=pool.device) for _ in range(2)]
+        if self._stages[b].shape[0] < pages:  # one descriptor larger than a piece
+            self._stages[b] = torch.empty((pages, *pool.shape[1:]), dtype=pool.dtype,
+                                          device=pool.device)
+        return self._stages[b]
+
+    def connect(self, peer: str, peer_info: dict[str, Any]) -> Future:
+        """The endpoint, then one warm-up message from each staging buffer and from the pool,
+        on the engine's loop; the returned future says when. The warm-up only reads the
+        buffers: a gather for another peer meanwhile changes nothing the receiver keeps."""
+        pool = self.region("kv")
+        warm = [self._staging(pool, 0, 1), self._staging(pool, 1, 1), pool[:1]]
+        warm_copies(pool, warm[0])
+
+        async def _warm() -> None:
+            ep = await self._endpoint(peer, peer_info)
+            for t in warm:
+                await ep.send_obj(WARM + (t.numel() * t.element_size()).to_bytes(8, "little"))
+                await ep.send(_buf(t))
+
+        async def _go() -> None:
+            try:
+                await asyncio.wait_for(_warm(), self._timeout)
+            except BaseException:
+                ep = self._eps.pop(peer, None)
+                if ep is not None:
+                    await ep.close()
+                raise
+
+        return asyncio.run_coroutine_threadsafe(_go(), self._loop)
+
+    async def _pump(self, ep: Any, q: asyncio.Queue) -> None:
+        """Send queued (header, payload, sent-event) items in order."""
+        while (item := await q.get()) is not None:
+            header, payload, sent = item
+            await ep.send_obj(header)
+            if payload is not None and payload.numel():
+                await ep.send(_buf(payload))
+            sent.set()
+
     def write(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> None:
         pool = self.region("kv")
-        if len(header.descs) == 1:
-            s, _, n, _ = header.descs[0].tolist()
-            payload = pool[s:s + n]
-        else:
-            pages = run_pages(header.descs, SRC)
-            if self._staging is None or self._staging.shape[0] < len(pages):
-                self._staging = torch.empty((len(pages), *pool.shape[1:]), dtype=pool.dtype,
-                                            device=pool.device)
-            payload = gather_pages(pool, pages, self._staging)
+        page_bytes = pool[0].numel() * pool.element_size()
+        pieces = split_pieces(header, page_bytes, piece_bytes(pool, self._stage_bytes))
+        deadline = time.monotonic() + self._timeout
+        ep = self._run(self._endpoint(peer, peer_info), self._timeout)
+        q: asyncio.Queue = asyncio.Queue()
+        pump = asyncio.run_coroutine_threadsafe(self._pump(ep, q), self._loop)
+        sent = [threading.Event(), threading.Event()]  # staging buffer b is free again
+        try:
+            for k, piece in enumerate(pieces):
+                b = k % 2
+                if k >= 2:
+                    self._wait(sent[b], pump, deadline)
+                sent[b].clear()
+                payload = self._stage(pool, piece, b)
+                self._loop.call_soon_threadsafe(q.put_nowait, (piece.to_bytes(), payload,
+                                                               sent[b]))
+            self._loop.call_soon_threadsafe(q.put_nowait, None)
+            pump.result(max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            pump.cancel()
+            self.drop_peer(peer)  # a send may still read the buffers: start afresh
+            raise
 
-        async def _send() -> None:
-            ep = await self._endpoint(peer, peer_info)
-            await ep.send_obj(header.to_bytes())
-            if payload.numel():
-                await ep.send(_buf(payload))
+    def _stage(self, pool: torch.Tensor, piece: ChunkHeader, b: int) -> torch.Tensor | None:
+        """The piece's payload: the pool slice when its pages are one run, else gathered."""
+        if len(piece.descs) == 0:
+            return None
+        pages = run_pages(piece.descs, SRC)
+        if one_run(pages):
+            return pool[int(pages[0]):int(pages[0]) + len(pages)]
+        out = gather(pool, piece.descs, self._staging(pool, b, len(pages)))
+        if pool.is_cuda:  # UCX reads the buffer outside any stream
+            torch.cuda.current_stream(pool.device).synchronize()
+        return out
 
-        self._run(_send(), self._timeout)
+    @staticmethod
+    def _wait(ev: threading.Event, pump: Any, deadline: float) -> None:
+        while not ev.wait(0.01):
+            if pump.done():
+                pump.result()  # raises what stopped it
+                raise RuntimeError("ucx: sender stopped early")
+            if time.monotonic() > deadline:
+                raise TimeoutError("ucx: send not done in time")
 
     def drop_peer(self, peer: str) -> None:
         async def _drop() -> None:
@@ -149,5 +258,5 @@ class UcxEngine(TransferEngine):
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
             self._loop.close()
-            self._staging = None
+            self._stages = []
             super().close()

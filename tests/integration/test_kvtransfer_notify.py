@@ -22,7 +22,7 @@ def test_shm_chunks_counted_over_either_channel(direct: bool) -> None:
     dmgr = KVManager("decode", shm, cfg, SPEC.fingerprint())  # type: ignore[arg-type]
     try:
         if not direct:  # as if prefill could not reach the socket: decode does not offer it
-            dmgr._decode._transports[0][1].pop("notify")  # type: ignore[union-attr]
+            dmgr._decode.engines._info["shm"].pop("notify")  # type: ignore[union-attr]
         src, dst = [3, 4, 5, 30, 9, 10, 11, 12, 13, 2], [20, 21, 22, 7, 8, 1, 2, 3, 4, 39]
         s = pmgr.create_sender(7)
         r = dmgr.create_receiver(7, pmgr.bootstrap_addr)
@@ -34,7 +34,7 @@ def test_shm_chunks_counted_over_either_channel(direct: bool) -> None:
         assert wait_for(s, KVPoll.Success) == KVPoll.Success, s.failure_reason
         assert torch.equal(dst_pool[dst].view(torch.int16), src_pool[src].view(torch.int16))
         assert r.aux == AuxData(11, -0.5, 2)
-        socks = pmgr._prefill._engines["shm"]._notifier._socks  # type: ignore[union-attr]
+        socks = pmgr._prefill.xfer.engine("shm")._notifier._socks  # type: ignore
         assert (socks.get(dmgr._decode.ident.hex()) is not None) == direct  # type: ignore
     finally:
         pmgr.close()

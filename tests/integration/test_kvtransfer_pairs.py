@@ -11,8 +11,9 @@ import torch
 
 from pdserve.bench.kv_peer import PeerProcess, PoolSpec, make_pool, wait_for
 from pdserve.kvtransfer import AuxData, KVManager, KVPoll, TransferConfig
+from pdserve.kvtransfer.backends import importable
 
-BACKENDS = ["tcp", "shm", "ucx"]
+BACKENDS = ["tcp", "shm", "ucx", "nixl"]
 HB = {"heartbeat_interval_s": 0.2, "heartbeat_misses": 3}  # 0.6 s window
 
 
@@ -26,8 +27,8 @@ def _spec(seed: int | None, shm: bool = False, **kw: int) -> PoolSpec:
 
 
 def _skip_missing(backend: str) -> None:
-    if backend == "ucx":
-        pytest.importorskip("ucxx")
+    if backend in ("ucx", "nixl") and not importable(backend):
+        pytest.skip(f"{backend} is not installed")
 
 
 @pytest.fixture

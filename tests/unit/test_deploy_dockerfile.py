@@ -26,7 +26,7 @@ def test_cuda_base_with_flashinfer_and_ucxx():
     ins = _instructions()
     assert re.search(r"CUDA_IMAGE=nvidia/cuda:\S+-devel-", DOCKERFILE)
     assert [r for op, r in ins if op == "FROM"][-1] == "${CUDA_IMAGE}"
-    assert any(op == "RUN" and '".[gpu,ucx]"' in r for op, r in ins)
+    assert any(op == "RUN" and '".[gpu,ucx,nixl]"' in r for op, r in ins)
 
 
 def test_non_root_and_pdserve_entrypoint():
