@@ -14,7 +14,7 @@ from pdserve.kvtransfer.decode_side import DecodeSide
 from pdserve.kvtransfer.fingerprint import Fingerprint
 from pdserve.kvtransfer.hosts import SAME_HOST_BACKENDS, offers_for
 from pdserve.kvtransfer.prefill_side import PrefillSide
-from pdserve.kvtransfer.rank_pools import PoolSet
+from pdserve.kvtransfer.rank_pools import IpcShare, PoolSet, RankPoolsLike, ShmShare, pool_set
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
 from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
@@ -83,6 +83,18 @@ class KVManager:
             offers, eager = _decode_engines(config, pool, shm is not None)
             self._decode = DecodeSide(lanes, config, self.fingerprint, offers, eager, shm)
         self._closed = False
+
+    @classmethod
+    def for_worker(cls, role: Literal["prefill", "decode"], pool: torch.Tensor, model: str,
+                   num_kv_heads: int, ranks: RankPoolsLike | None,
+                   share: ShmShare | IpcShare | None, config: TransferConfig) -> KVManager:
+        """A worker's manager over its pools: `pool` (rank 0's; in the shared-memory segment
+        `share` made, if it did) and, with tensor parallelism, every rank's pool as rank 0
+        maps them (`ranks`)."""
+        pools = pool_set(ranks, num_kv_heads)
+        own = share.own if isinstance(share, ShmShare) else None
+        fingerprint = Fingerprint.from_pool_buffer(model, pool, pools.layout if pools else None)
+        return cls(role, own or pool, config, fingerprint, pools=pools)
 
     @property
     def offered_backends(self) -> list[str]:

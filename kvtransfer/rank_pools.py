@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -120,3 +120,30 @@ class IpcShare(_Share):
 
     def close(self) -> None:
         self._held.clear()
+
+
+def pool_share(device: str, tp: int, shm: bool) -> ShmShare | IpcShare | None:
+    """How a worker allocates its pools: where rank 0 maps every rank's (tensor parallelism),
+    or, `shm`, in shared memory for same-host prefill workers to write (a decode worker's host
+    pool); None: plain memory."""
+    cuda = device.startswith("cuda")
+    if tp > 1:
+        return IpcShare() if cuda else ShmShare()
+    return ShmShare() if shm and not cuda else None
+
+
+class RankPoolsLike(Protocol):
+    """A worker's rank pools as its engine reports them (engine/tp/pools.RankPools)."""
+
+    tensors: list[torch.Tensor]
+    handles: list[str]
+    kv_heads: list[tuple[int, int]]
+
+
+def pool_set(ranks: RankPoolsLike | None, num_kv_heads: int) -> PoolSet | None:
+    """The PoolSet of a worker's rank pools; None for one rank (its pool is the manager's
+    pool_buffer)."""
+    if ranks is None or len(ranks.tensors) <= 1:
+        return None
+    return PoolSet(tuple(ranks.tensors), tuple(ranks.handles),
+                   KVLayout(num_kv_heads, tuple(ranks.kv_heads)))
