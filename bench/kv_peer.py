@@ -24,7 +24,7 @@ from pdserve.kvtransfer.fingerprint import Fingerprint
 from pdserve.kvtransfer.lanes import KVLayout
 from pdserve.kvtransfer.manager import KVManager
 from pdserve.kvtransfer.poll import KVPoll
-from pdserve.kvtransfer.rank_pools import PoolSet
+from pdserve.kvtransfer.rank_pools import PoolSet, ipc_handle
 from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
 
 
@@ -93,7 +93,12 @@ def make_pools(spec: PoolSpec) -> tuple[PoolSet, list[ShmPoolBuffer]]:
             page = torch.randn(spec.shape[1:], generator=g).to(dtype)
             for pool, (start, heads) in zip(tensors, spec.layout.ranks):
                 pool[i].copy_(page[..., start:start + heads, :])
-    handles = tuple(b.name for b in shms) if shms else ("",) * spec.tp
+    if shms:
+        handles = tuple(b.name for b in shms)
+    elif spec.device.startswith("cuda"):
+        handles = tuple(ipc_handle(t) for t in tensors)
+    else:
+        handles = ("",) * spec.tp
     return PoolSet(tuple(tensors), handles, spec.layout), shms
 
 
