@@ -154,11 +154,18 @@ class PartBuilder:
             packed_descs = descs.copy()
             packed_descs[:, SRC] = offsets
             buf = self._buffer(lane, int(num.sum()))
-            src_pages = _pages(descs[:, SRC], num)
-            packed = list(range(int(num.sum())))
-            for p in lane.pieces:
-                _copy_heads(self.pools[p.src_rank], buf, src_pages, packed, p.src_head,
-                            p.dst_head, p.num_heads)
+            if buf.device.type == "cpu" and all(
+                    self.pools[p.src_rank].device.type == "cpu" for p in lane.pieces):
+                runs = np.stack([descs[:, SRC], offsets, num], axis=1).tolist()
+                assemble_pages([(head_bytes(buf), [
+                    (head_bytes(self.pools[p.src_rank]), p.src_head, p.dst_head, p.num_heads)
+                    for p in lane.pieces])], None, runs)
+            else:
+                src_pages = _pages(descs[:, SRC], num)
+                packed = list(range(int(num.sum())))
+                for p in lane.pieces:
+                    _copy_heads(self.pools[p.src_rank], buf, src_pages, packed, p.src_head,
+                                p.dst_head, p.num_heads)
             out.append(Part(lane.dst_rank, buf, packed_descs))
         return out
 
@@ -171,6 +178,36 @@ class PartBuilder:
             buf = torch.empty(shape, dtype=ref.dtype, device=ref.device)
             self._staging[lane.dst_rank] = buf
         return buf
+
+
+def head_bytes(pool: torch.Tensor) -> np.ndarray:
+    """A pool as bytes shaped [pages, rows, heads, head_bytes]: one row per layer, K/V, token."""
+    p = pool.shape
+    return pool.view(torch.uint8).numpy().reshape(p[0], p[1] * p[2] * p[3], p[4], -1)
+
+
+HostLane = tuple[np.ndarray, list[tuple[np.ndarray, int, int, int]]]  # dst, pieces
+
+
+def assemble_pages(lanes: list[HostLane], _: object, runs: list[list[int]]) -> None:
+    """Pages of each lane's `dst` ([pages, rows, heads, head_bytes]) from head ranges of
+    source pools, one page at a time for every lane (a source page is read from memory once
+    and stays in cache for the others). A lane fed whole by one source range copies it
+    straight; several ranges are interleaved in a page-sized buffer that stays in cache, then
+    copied as one block: writing the destination in 128-byte pieces from each source in turn
+    ran at half that speed."""
+    pages = {id(dst): np.empty(dst.shape[1:], dtype=dst.dtype) for dst, _ in lanes}
+    for s, d, n in runs:
+        for i in range(n):
+            for dst, pieces in lanes:
+                if len(pieces) == 1 and pieces[0][2] == 0 and pieces[0][3] == dst.shape[2]:
+                    src, s_head, _, num = pieces[0]
+                    np.copyto(dst[d + i], src[s + i, :, s_head:s_head + num])
+                    continue
+                page = pages[id(dst)]
+                for src, s_head, d_head, num in pieces:
+                    page[:, d_head:d_head + num] = src[s + i, :, s_head:s_head + num]
+                dst[d + i] = page
 
 
 def _pages(first: np.ndarray, num: np.ndarray) -> list[int]:

@@ -22,7 +22,7 @@ import torch
 from pdserve.kvtransfer.backends.same_host import SameHostEngine
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler
 from pdserve.kvtransfer.hosts import machine_id
-from pdserve.kvtransfer.lanes import Part
+from pdserve.kvtransfer.lanes import HostLane, Part, assemble_pages, head_bytes
 from pdserve.kvtransfer.rank_pools import PoolSet
 from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
 
@@ -97,25 +97,39 @@ class ShmEngine(SameHostEngine):
     def write_lanes(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader,
                     parts: list[Part]) -> None:
         # Every part lands before write_lanes returns, so before the chunk's notification.
+        by_lane: dict[int, list[Part]] = {}
         for part in parts:
-            dst = self._attach(f"{peer}/{part.lane}", self.lane_info(peer_info, part.lane))
-            if part.heads is None:
-                self._copy(peer, part.src, dst, part.descs)
-            else:
-                self._copy_heads(peer, part.src, dst, part.descs, part.heads)
+            by_lane.setdefault(part.lane, []).append(part)
+        lanes: list[HostLane] = []
+        runs = None
+        for lane, mine in by_lane.items():
+            dst = self._attach(f"{peer}/{lane}", self.lane_info(peer_info, lane))
+            if len(mine) == 1 and mine[0].heads is None:  # whole pages: plain memcpy
+                self._copy(peer, mine[0].src, dst, mine[0].descs)
+                continue
+            for p in mine:  # every part has the chunk's descriptors: one list of runs
+                runs = self._runs(peer, p.src, dst, p.descs, p.heads or (0, 0, dst.shape[4]))
+            lanes.append((head_bytes(dst), [(head_bytes(p.src), *(p.heads or (
+                0, 0, dst.shape[4]))) for p in mine]))
+        if lanes and runs is not None:
+            self._parallel(assemble_pages, lanes, None, runs.tolist())
 
     def _copy(self, peer: str, src: torch.Tensor, dst: torch.Tensor, descs: np.ndarray) -> None:
         runs = self._runs(peer, src, dst, descs)
         src_b = src.view(src.shape[0], -1).view(torch.uint8).numpy()
         dst_b = dst.view(dst.shape[0], -1).view(torch.uint8).numpy()
-        parts = split_runs(runs.tolist(), self._threads) if self._threads > 1 else []
+        self._parallel(_copy_runs, dst_b, src_b, runs.tolist())
+
+    def _parallel(self, copy: Any, dst: Any, src: Any, runs: list[list[int]]) -> None:
+        """copy(dst, src, runs) with the runs split over the copy threads (GIL released)."""
+        parts = split_runs(runs, self._threads) if self._threads > 1 else []
         if len(parts) <= 1:
-            _copy_runs(dst_b, src_b, runs.tolist())
+            copy(dst, src, runs)
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads - 1, thread_name_prefix="kv-shm-copy")
-        futures = [self._pool.submit(_copy_runs, dst_b, src_b, p) for p in parts[1:]]
-        _copy_runs(dst_b, src_b, parts[0])  # this thread copies a share too
+        futures = [self._pool.submit(copy, dst, src, p) for p in parts[1:]]
+        copy(dst, src, parts[0])  # this thread copies a share too
         for f in futures:
             f.result()
 

@@ -3,7 +3,7 @@ gloo between each worker's ranks, shm KV transfer rank pool to rank pool): prefi
 decode TP 2 and TP 2 -> TP 1 on a tiny Llama, TP 3 -> TP 1 on SmolLM2 (3 KV heads, one per
 rank) answer like HF greedy, i.e. like TP=1 P/D. Killing one rank of a decode worker mid-stream
 ends its streams with an error within the fault deadlines, and the prefill worker is left with
-no page in use."""
+no page in use. The SmolLM2 pair starts through `pdserve up --prefill-tp 3`."""
 # ruff: noqa: F811  (pytest fixtures imported from test_faults_procs)
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import signal
 import time
 
+from fixtures.cluster import start_cluster
 from fixtures.hf_ref import hf_greedy, hf_model
 from test_faults_decode import LONG, Stream
 from test_faults_procs import post, procs  # noqa: F401 (fixture)
@@ -89,8 +90,20 @@ def test_tiny_prefill_1_to_decode_2_then_2_to_1_and_a_decode_rank_dies(procs, ti
     procs.wait_idle(60)
 
 
-def test_smollm2_prefill_3_to_decode_1(procs, smollm2_path):
-    procs.model = smollm2_path
-    procs.start_router()
-    _check_pair(procs, smollm2_path, 3, 1, ["The capital of France is", CHUNKED])
-    procs.wait_idle(60)
+def test_smollm2_prefill_3_to_decode_1_through_pdserve_up(smollm2_path):
+    """`pdserve up --prefill-tp 3`: SmolLM2's 3 KV heads one per prefill rank, gathered into
+    the decode worker's one pool."""
+    cluster = start_cluster(smollm2_path, up_args=("--prefill-tp", "3"),
+                            worker_args=("--chunked-prefill-size=16",))
+    try:
+        url = f"{cluster.url}/v1/completions"
+        for prompt in ("The capital of France is", CHUNKED):
+            status, body = post(url, {"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                      "ignore_eos": True})
+            assert status == 200, body
+            assert body["pdserve"]["choices"][0]["disaggregation"]["disaggregated"], body
+            assert body["choices"][0]["text"] == hf_text(smollm2_path, prompt, 8), prompt
+        workers = cluster.wait_idle(60)
+        assert all(w["kv_pages_in_use"] == 0 for w in workers), workers
+    finally:
+        assert cluster.stop() == 0, "".join(cluster.log[-30:])
