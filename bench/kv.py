@@ -256,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     if min(tp) < 1:
         print("kvbench: --prefill-tp / --decode-tp: must be at least 1", file=sys.stderr)
         return 2
+    heads = args.kv_heads or MODEL_SHAPES[args.model_shape][1]
+    for n in tp:
+        if heads % n and n % heads:
+            print(f"kvbench: {n} tensor-parallel ranks cannot split {heads} KV heads (one must "
+                  "divide the other)", file=sys.stderr)
+            return 2
     if tp != (1, 1):  # several pools on a side: only the backends that write lanes
         avail = [b for b in avail if b in LANE_BACKENDS]
     backends = [b for b in args.backend.split(",") if b] or avail

@@ -89,3 +89,19 @@ def test_a_layout_without_every_head_is_refused_naming_both() -> None:
         plan_lanes(KVLayout(4, ((0, 2), (2, 2))), KVLayout(4, ((0, 5),)))
     with pytest.raises(LayoutError, match="no prefill rank holds KV heads \\[3\\]"):
         plan_lanes(KVLayout(4, ((0, 2), (1, 2))), KVLayout(4, ((0, 4),)))
+
+
+def test_kvbench_reports_heterogeneous_against_homogeneous(capsys: pytest.CaptureFixture) -> None:
+    """`pdserve kvbench --prefill-tp 2 --decode-tp 1` measures 2 -> 1 and 1 -> 1 in one run;
+    a split the ranks cannot make is refused up front."""
+    import json
+
+    from pdserve.bench.kv import main
+
+    assert main(["--prefill-tp", "2", "--decode-tp", "1", "--kv-heads", "4", "--backend", "shm",
+                 "--tokens", "64", "--requests", "2", "--layout", "random", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["tp"], r["checksum_ok"]) for r in rows] == [("2->1", True), ("1->1", True)]
+    assert rows[0]["vs_homog"] > 0 and "vs_homog" not in rows[1]
+    assert main(["--prefill-tp", "2", "--decode-tp", "1", "--backend", "shm"]) == 2
+    assert "cannot split 3 KV heads" in capsys.readouterr().err
