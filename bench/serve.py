@@ -8,7 +8,8 @@ under Poisson / gamma arrivals or a concurrency cap, records every chunk's arriv
 reports TTFT, ITL, TPOT, end-to-end latency, throughput, goodput and the router's per-stage
 timings; with `--output-dir`, also serve_report.json and PNG plots. Definitions are in
 serve_metrics. Exit status: 0 when every request succeeded, 1 when some failed, 2 on bad input
-or an unreachable router.
+or an unreachable router. `--sweep-rate R1,R2,...` runs one Poisson load per rate instead and
+reports goodput against rate (serve_sweep).
 """
 
 from __future__ import annotations
@@ -21,20 +22,8 @@ import httpx
 from pdserve.bench import serve_metrics, serve_report
 from pdserve.bench.serve_client import GrpcBenchClient, HttpBenchClient
 from pdserve.bench.serve_config import BenchConfig, config_from_args
-from pdserve.bench.serve_runner import RunOutcome, run_bench
+from pdserve.bench.serve_runner import RunOutcome, resolve_model, run_bench
 from pdserve.bench.serve_workload import build_workload
-
-
-async def resolve_model(http: httpx.AsyncClient, model: str | None) -> str:
-    """The asked-for model, else the first id the router lists."""
-    if model is not None:
-        return model
-    resp = await http.get("/v1/models", timeout=10.0)
-    resp.raise_for_status()
-    data = resp.json().get("data") or []
-    if not data:
-        raise ValueError("model: the router lists no models; pass --model")
-    return str(data[0]["id"])
 
 
 async def _run(cfg: BenchConfig) -> tuple[str, RunOutcome]:
@@ -57,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"pdserve bench: error: {e}", file=sys.stderr)
         return 2
+    if cfg.sweep_rates:
+        from pdserve.bench.serve_sweep import main_sweep
+
+        return main_sweep(cfg)
     try:
         model, outcome = asyncio.run(_run(cfg))
     except (ValueError, OSError, httpx.HTTPError) as e:

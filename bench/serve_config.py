@@ -6,6 +6,8 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from pdserve.bench.serve_goodput import check_rates, parse_rates
+
 DATASETS = ("random", "shared-prefix", "multi-turn", "sharegpt")
 ENDPOINTS = ("completions", "chat")
 
@@ -47,6 +49,11 @@ class BenchConfig:
     seed: int = 0
     slo_ttft_ms: float = 1000.0
     slo_itl_ms: float = 100.0
+    sweep_rates: tuple[float, ...] = ()  # set: one run per Poisson rate (serve_sweep)
+    sweep_duration_s: float = 0.0  # > 0: about this many seconds of arrivals per rate
+    slo_target: float = 0.9  # attainment a rate must reach to count as sustained
+    sweep_stop_below: float = 0.0  # sweep: no higher rate once attainment fell below this
+    label: str = ""  # the run's name in sweep reports and plots
     request_timeout_s: float = 600.0
     poll_interval_s: float = 0.5
     output_dir: str | None = None
@@ -79,6 +86,14 @@ class BenchConfig:
         for name in ("slo_ttft_ms", "slo_itl_ms", "request_timeout_s", "poll_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.sweep_rates:
+            check_rates(tuple(self.sweep_rates))
+        if not (math.isfinite(self.sweep_duration_s) and self.sweep_duration_s >= 0):
+            raise ValueError(f"sweep_duration_s: must be >= 0, got {self.sweep_duration_s}")
+        if not 0 < self.slo_target <= 1:
+            raise ValueError(f"slo_target: must be in (0, 1], got {self.slo_target}")
+        if not 0 <= self.sweep_stop_below <= 1:
+            raise ValueError(f"sweep_stop_below: must be in [0, 1], got {self.sweep_stop_below}")
 
     @property
     def chat(self) -> bool:
@@ -116,6 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft", type=float, default=1000.0, help="ms, for goodput")
     p.add_argument("--slo-itl", type=float, default=100.0,
                    help="ms, for goodput: bound on a request's mean inter-token latency (TPOT)")
+    p.add_argument("--sweep-rate", default=None, metavar="R1,R2,...",
+                   help="one Poisson run per rate (req/s): goodput per rate and the highest "
+                        "rate meeting both SLOs for --slo-attainment of the requests")
+    p.add_argument("--sweep-duration", type=float, default=0.0, metavar="S",
+                   help="sweep: about S seconds of arrivals per rate (0: --num-prompts each)")
+    p.add_argument("--slo-attainment", type=float, default=0.9,
+                   help="sweep: share of requests that must meet both SLOs")
+    p.add_argument("--sweep-stop-below", type=float, default=0.0, metavar="A",
+                   help="sweep: skip the higher rates once attainment fell below A (0 = never)")
+    p.add_argument("--label", default="", help="sweep: this run's name in reports and plots")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--poll-interval", type=float, default=0.5, help="seconds between /workers")
     p.add_argument("--output-dir", default=None, help="write bench_report.json and PNG plots")
@@ -135,5 +160,8 @@ def config_from_args(argv: list[str] | None) -> BenchConfig:
         num_prefixes=a.num_prefixes, num_turns=a.num_turns, request_rate=a.request_rate,
         burstiness=a.burstiness, max_concurrency=a.max_concurrency, warmup=a.warmup,
         temperature=a.temperature, seed=a.seed, slo_ttft_ms=a.slo_ttft, slo_itl_ms=a.slo_itl,
+        sweep_rates=parse_rates(a.sweep_rate) if a.sweep_rate is not None else (),
+        sweep_duration_s=a.sweep_duration, slo_target=a.slo_attainment,
+        sweep_stop_below=a.sweep_stop_below, label=a.label,
         request_timeout_s=a.request_timeout, poll_interval_s=a.poll_interval,
         output_dir=a.output_dir, json=a.json, progress=not a.no_progress)

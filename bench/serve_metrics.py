@@ -140,6 +140,7 @@ def summarize(cfg: BenchConfig, outcome: RunOutcome) -> dict:
         "e2e_ms": stats([r.end_s * 1e3 for r in ok]),
         "stages": stage_breakdown(ok, outcome.metrics_before, outcome.metrics_after),
         "max_queue_depth": _max_depth(outcome),
+        "mean_running": _mean_running(outcome),
     }
 
 
@@ -149,3 +150,14 @@ def _max_depth(outcome: RunOutcome) -> dict[str, int]:
         for role, n in q.depth.items():
             out[role] = max(out.get(role, 0), n)
     return out
+
+
+def _mean_running(outcome: RunOutcome) -> dict[str, float]:
+    """Per role, the running requests (its batch) averaged over the /workers samples taken
+    while any request of the run was still open."""
+    ends = [r.start_s + r.end_s for r in outcome.results]
+    last = max(ends) if ends else 0.0
+    samples = [q for q in outcome.queue if q.t_s <= last] or outcome.queue
+    roles = {role for q in samples for role in q.running}
+    return {role: sum(q.running.get(role, 0) for q in samples) / len(samples)
+            for role in sorted(roles)}

@@ -27,6 +27,7 @@ class BenchClient(Protocol):
 class QueueSample:
     t_s: float  # seconds since the run began
     depth: dict[str, int]  # role -> sum of num_waiting + num_running over its workers
+    running: dict[str, int] = field(default_factory=dict)  # role -> sum of num_running
 
 
 @dataclass
@@ -77,17 +78,31 @@ async def fetch_text(http: httpx.AsyncClient, path: str) -> str:
         return ""
 
 
+async def resolve_model(http: httpx.AsyncClient, model: str | None) -> str:
+    """The asked-for model, else the first id the router lists."""
+    if model is not None:
+        return model
+    resp = await http.get("/v1/models", timeout=10.0)
+    resp.raise_for_status()
+    data = resp.json().get("data") or []
+    if not data:
+        raise ValueError("model: the router lists no models; pass --model")
+    return str(data[0]["id"])
+
+
 async def _poll_workers(http: httpx.AsyncClient, t0: float, interval_s: float,
                         out: list[QueueSample]) -> None:
     while True:
         try:
             resp = await http.get("/workers", timeout=5.0)
             depth: dict[str, int] = {}
+            running: dict[str, int] = {}
             for w in resp.json().get("workers", []):
                 role = str(w.get("role", "?"))
-                n = int(w.get("num_waiting", 0)) + int(w.get("num_running", 0))
-                depth[role] = depth.get(role, 0) + n
-            out.append(QueueSample(time.perf_counter() - t0, depth))
+                n = int(w.get("num_running", 0))
+                depth[role] = depth.get(role, 0) + n + int(w.get("num_waiting", 0))
+                running[role] = running.get(role, 0) + n
+            out.append(QueueSample(time.perf_counter() - t0, depth, running))
         except (httpx.HTTPError, OSError, ValueError, AttributeError):
             pass  # a missed sample is fine; the run goes on
         await asyncio.sleep(interval_s)

@@ -17,6 +17,11 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from pdserve.worker.sm_share import check_share, percentage
+
+# Prefill's share of the SMs under --spatial (docs/performance.md, "Spatial P/D").
+DEFAULT_PREFILL_SM_SHARE = 0.5
+
 
 @dataclass
 class Proc:
@@ -43,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--router-arg", action="append", default=[], help="extra router flag")
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag")
+    p.add_argument("--spatial", action="store_true",
+                   help="CUDA: prefill and decode workers on separate shares of a GPU's SMs "
+                        "(CUDA MPS, started as needed; pdserve/spatial.py)")
+    p.add_argument("--prefill-sm-share", type=float, default=DEFAULT_PREFILL_SM_SHARE,
+                   metavar="F", help="--spatial: share of the SMs for prefill workers")
+    p.add_argument("--decode-sm-share", type=float, default=None, metavar="F",
+                   help="--spatial: share for decode workers (default: the rest)")
     return p
 
 
@@ -111,6 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     if min(tps.values()) < 1:
         print("pdserve up: error: --tp: must be at least 1", file=sys.stderr)
         return 2
+    try:
+        check_share("prefill_sm_share", args.prefill_sm_share)
+        if args.decode_sm_share is None:
+            args.decode_sm_share = max(0.01, round(1.0 - args.prefill_sm_share, 4))
+        check_share("decode_sm_share", args.decode_sm_share)
+    except ValueError as e:
+        print(f"pdserve up: error: {e}", file=sys.stderr)
+        return 2
     if args.model is None:
         from pdserve.engine.default_model import default_model_path
 
@@ -121,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     deadline = time.monotonic() + args.ready_timeout
+    spatial = None
     try:
+        if args.spatial:
+            spatial = _plan_spatial(args, env)
         router = _spawn("router", ["router", "--host", args.host, "--port", str(args.port),
                                    "--grpc-port", str(args.grpc_port), "--model", args.model,
                                    *args.router_arg], env)
@@ -139,19 +162,25 @@ def main(argv: list[str] | None = None) -> int:
         for i, role in enumerate(roles):
             wenv = dict(env)
             tp = tps[role]
-            if gpus:  # a worker's ranks take consecutive GPUs
+            if gpus:  # a worker's ranks take consecutive GPUs (one each: round-robin)
                 wenv["CUDA_VISIBLE_DEVICES"] = ",".join(
                     str((first_gpu + r) % gpus) for r in range(tp))
                 first_gpu += tp
+            share = spatial.worker_args(role) if spatial is not None else []
             proc = _spawn(f"{role}-{i}", [role, "--model", args.model, "--device", args.device,
                                           "--host", args.host, "--router", grpc_addr,
-                                          "--tp", str(tp), *threads, *args.worker_arg], wenv)
+                                          "--tp", str(tp), *threads, *share, *args.worker_arg],
+                          wenv)
             procs.append(proc)
         for proc in procs[1:]:
             proc.ready = _await_ready(proc, "worker", deadline)
         _wait_registered(http, len(roles), deadline)
+        tail = ""
+        if args.spatial:  # what the SMs are split into, or `off` (the plain path was taken)
+            tail = " spatial=" + ("off" if spatial is None else "/".join(
+                str(percentage(spatial.shares[r])) for r in ("prefill", "decode")))
         print(f"pdserve ready {http} grpc={grpc_addr} prefill={args.prefill} "
-              f"decode={args.decode} mixed={args.mixed}", flush=True)
+              f"decode={args.decode} mixed={args.mixed}{tail}", flush=True)
         while not stop.is_set():
             # A worker that exits (drained, or died) leaves rotation and the others keep
             # serving; only the router's exit ends the cluster.
@@ -171,6 +200,28 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         _stop_all(procs)
+        if spatial is not None:
+            spatial.close()
+
+
+def _plan_spatial(args: argparse.Namespace, env: dict[str, str]):  # noqa: ANN202
+    """The MPS set-up for --spatial (its client environment added to `env`), or None and a
+    message saying why the workers share the GPU time-sliced instead."""
+    from pdserve.spatial import plan_spatial
+
+    gpus = _gpu_count() if args.device.startswith(("cuda", "auto")) else 0
+    device = ("cuda" if gpus else "cpu") if args.device == "auto" else args.device
+    if args.prefill == 0:
+        plan, message = None, "needs prefill and decode workers (there are none to split)"
+    else:
+        plan, message = plan_spatial(device, gpus, args.prefill_sm_share, args.decode_sm_share)
+    if plan is None:
+        print(f"pdserve up: --spatial: {message}; prefill and decode share the GPU "
+              f"time-sliced (the plain path)", file=sys.stderr, flush=True)
+        return None
+    env.update(plan.daemon.env)
+    print(f"pdserve up: --spatial: {message}", file=sys.stderr, flush=True)
+    return plan
 
 
 def _wait_registered(http: str, count: int, deadline: float) -> None:

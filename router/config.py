@@ -50,6 +50,8 @@ class RouterConfig:
     default_max_tokens: int = 256  # when the client gives none (bounded by the context left)
     disagg_threshold: int = 0  # uncached prompt tokens needed to prefill remotely (0 = always)
     local_prefill_fallback: bool = False  # no prefill worker: decode workers prefill locally
+    slo_ttft_ms: float = 0.0  # > 0: place prefills by load too (router/slo_dispatch.py)
+    slo_itl_ms: float = 0.0  # the decode side's inter-token SLO (its stall budget)
     tls_ca_file: str | None = None  # when set, worker channels use TLS trusting this CA
     tls_cert_file: str | None = None  # when set (with tls_key_file), the gRPC server uses TLS
     tls_key_file: str | None = None
@@ -106,6 +108,12 @@ class RouterConfig:
             raise ValueError(
                 "disagg_threshold: must be >= 0 tokens (0 = always), "
                 f"got {self.disagg_threshold!r}")
+        for name in ("slo_ttft_ms", "slo_itl_ms"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name}: must be >= 0 ms (0 = off), got {value!r}")
+        if self.slo_itl_ms > 0 and self.slo_ttft_ms <= 0:
+            raise ValueError("slo_itl_ms: needs slo_ttft_ms (the SLO dispatcher) set as well")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file: give tls_cert_file and tls_key_file together")
 

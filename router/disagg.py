@@ -11,17 +11,19 @@ responses, the `pdserve_router_disagg_decisions` metric):
   itself (an approximate per-worker prefix index, like the cache-aware policy's).
 - no prefill worker in rotation: local prefill on a decode worker when
   `local_prefill_fallback` is on, else the request fails with 503.
+With SLOs set, router/slo_dispatch.py reviews the decision against the workers' load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.router.policies import PrefixIndex
 from pdserve.router.registry import WorkerEntry
 
-REASONS = ("always", "long_prompt", "short_prompt", "no_prefill_worker", "mixed_worker")
+REASONS = ("always", "long_prompt", "short_prompt", "no_prefill_worker", "mixed_worker",
+           "prefill_busy", "decode_busy")  # the last two: router/slo_dispatch.py
 
 
 @dataclass(frozen=True)
@@ -33,11 +35,15 @@ class DisaggDecision:
     prompt_len: int
     uncached_len: int
     threshold: int
+    slo: dict | None = None  # the SLO dispatcher's estimates (ms), when it reviewed this
 
     def to_json(self) -> dict:
-        return {"disaggregated": self.disaggregated, "reason": self.reason,
-                "prompt_len": self.prompt_len, "uncached_len": self.uncached_len,
-                "threshold": self.threshold}
+        out = {"disaggregated": self.disaggregated, "reason": self.reason,
+               "prompt_len": self.prompt_len, "uncached_len": self.uncached_len,
+               "threshold": self.threshold}
+        if self.slo is not None:
+            out["slo"] = {k: None if v is None else round(v, 3) for k, v in self.slo.items()}
+        return out
 
 
 class DisaggPolicy:
@@ -60,26 +66,36 @@ class DisaggPolicy:
             del self._indexes[wid]
 
     def decide(self, input_ids: Sequence[int], decode: WorkerEntry, have_prefill: bool,
-               local_fallback: bool) -> DisaggDecision | None:
+               local_fallback: bool,
+               review: Callable[[DisaggDecision], DisaggDecision] | None = None
+               ) -> DisaggDecision | None:
         """The decision for `decode`; None when the request cannot be served (no prefill
-        worker and no fallback)."""
+        worker and no fallback). `review` may change it (the SLO dispatcher) before `decode`
+        learns that it prefills the prompt itself."""
         n = len(input_ids)
+        keys: list[int] | None = None
+        decision: DisaggDecision | None = None
         if self.threshold <= 0:
-            if have_prefill:
-                return DisaggDecision(True, "always", n, n, 0)
             uncached = n
+            if have_prefill:
+                decision = DisaggDecision(True, "always", n, n, 0)
         else:
             keys = PrefixIndex(self.block_len, 0).keys(input_ids)
             uncached = n - min(n, self._index(decode).match_len(keys))
-            if have_prefill and uncached >= self.threshold:
-                return DisaggDecision(True, "long_prompt", n, uncached, self.threshold)
             if have_prefill:
-                self._index(decode).insert(keys)
-                return DisaggDecision(False, "short_prompt", n, uncached, self.threshold)
-        if not local_fallback:
-            return None
-        self._index(decode).insert(PrefixIndex(self.block_len, 0).keys(input_ids))
-        return DisaggDecision(False, "no_prefill_worker", n, uncached, self.threshold)
+                long = uncached >= self.threshold
+                decision = DisaggDecision(long, "long_prompt" if long else "short_prompt", n,
+                                          uncached, self.threshold)
+        if decision is None:
+            if not local_fallback:
+                return None
+            decision = DisaggDecision(False, "no_prefill_worker", n, uncached, self.threshold)
+        if review is not None:
+            decision = review(decision)
+        if not decision.disaggregated:
+            self._index(decode).insert(
+                keys if keys is not None else PrefixIndex(self.block_len, 0).keys(input_ids))
+        return decision
 
     @staticmethod
     def mixed(input_ids: Sequence[int], threshold: int) -> DisaggDecision:

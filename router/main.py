@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disagg-threshold", type=int, default=c.disagg_threshold, metavar="TOKENS",
                    help="prefill remotely only when the uncached prompt has at least this many "
                         "tokens, else on the decode worker (0 = always disaggregate)")
+    p.add_argument("--slo-ttft-ms", type=float, default=c.slo_ttft_ms, metavar="MS",
+                   help="place each prefill by the workers' load too: locally on the decode "
+                        "worker when the prefill queue would miss this TTFT (0 = off)")
+    p.add_argument("--slo-itl-ms", type=float, default=c.slo_itl_ms, metavar="MS",
+                   help="with --slo-ttft-ms: the inter-token SLO whose slack local prefills "
+                        "may use on a decode worker (0 = never prefill long prompts there)")
     p.add_argument("--local-prefill-fallback", action="store_true",
                    help="with no prefill worker in rotation, decode workers prefill locally")
     p.add_argument("--tls-cert", default=None, help="gRPC server certificate (PEM): enables TLS")
@@ -79,7 +85,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_check_interval_s=args.health_check_interval,
         request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
         retries=args.retries, disagg_threshold=args.disagg_threshold,
-        local_prefill_fallback=args.local_prefill_fallback, tls_cert_file=args.tls_cert,
+        local_prefill_fallback=args.local_prefill_fallback, slo_ttft_ms=args.slo_ttft_ms,
+        slo_itl_ms=args.slo_itl_ms, tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key, tls_ca_file=args.tls_ca,
         k8s_discovery=_k8s_config(args))
 

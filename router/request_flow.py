@@ -15,6 +15,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import grpc
@@ -30,6 +31,7 @@ from pdserve.router.events import FlowEvent
 from pdserve.router.policies import Policy
 from pdserve.router.prepare import PreparedRequest, eos_token_ids
 from pdserve.router.registry import Registry, WorkerEntry
+from pdserve.router.slo_dispatch import SloDispatcher
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,8 @@ class RequestFlow:
         self.metrics = metrics
         self.eos_ids = eos_token_ids(tokenizer)
         self.disagg = DisaggPolicy(config.disagg_threshold)
+        self.slo = SloDispatcher(config.slo_ttft_ms, config.slo_itl_ms) \
+            if config.slo_ttft_ms > 0 else None
         self._active: dict[str, asyncio.Event] = {}
         self._background: set[asyncio.Task] = set()
 
@@ -64,8 +68,12 @@ class RequestFlow:
         if decode:
             self.disagg.forget_except(self.registry.all())
             chosen = self.decode_policy.pick(decode, input_ids)
+            review = None
+            if self.slo is not None:
+                self.slo.forget_except(self.registry.all())
+                review = partial(self.slo.review, prefill=prefill, decode=chosen)
             decision = self.disagg.decide(input_ids, chosen, bool(prefill),
-                                          self.config.local_prefill_fallback)
+                                          self.config.local_prefill_fallback, review)
             if decision is not None:
                 if decision.disaggregated:
                     return self.prefill_policy.pick(prefill, input_ids), chosen, decision
@@ -106,8 +114,12 @@ class RequestFlow:
                     self.metrics.on_disagg(decision)
                 attempt = self._make_attempt(req, prefill, decode, abort_event)
                 attempt.decision = decision
+                stream = attempt.stream()
+                if self.slo is not None:
+                    stream = self.slo.watch(stream, prefill or decode, decode,
+                                            decision.uncached_len)
                 try:
-                    async with contextlib.aclosing(attempt.stream()) as events:
+                    async with contextlib.aclosing(stream) as events:
                         async for event in events:
                             yield event
                     return

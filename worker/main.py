@@ -27,6 +27,7 @@ from pdserve.worker.router_link import RouterLink
 from pdserve.worker.scheduler_thread import SchedulerThread
 from pdserve.worker.server import install_signal_handlers, set_health, start_grpc_server
 from pdserve.worker.service import WorkerServiceBase
+from pdserve.worker.sm_share import apply_sm_share
 
 log = logging.getLogger("pdserve.worker")
 
@@ -78,6 +79,9 @@ def parser(role: str, add_role_args: Callable[[argparse.ArgumentParser], None] |
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0 = torch's default); `pdserve up` splits the cores")
+    p.add_argument("--sm-share", type=float, default=1.0, metavar="F",
+                   help="CUDA: use at most this share of the GPU's SMs, under an MPS control "
+                        "daemon (worker/sm_share.py; `pdserve up --spatial` starts one)")
     p.add_argument("--log-level", default="WARNING")
     if add_role_args is not None:
         add_role_args(p)
@@ -153,6 +157,10 @@ def run(role: str, argv: list[str] | None, build: Build,
 
         torch.set_num_threads(args.threads)
     try:
+        # Before any CUDA context exists: MPS reads the share when the context is made.
+        warning = apply_sm_share(args.sm_share, args.device)
+        if warning:
+            print(f"pdserve {role}: warning: {warning}", file=sys.stderr, flush=True)
         return asyncio.run(_serve(role, args, build))
     except (ValueError, OSError, RankError) as e:
         print(f"pdserve {role}: error: {e}", file=sys.stderr)

@@ -72,3 +72,36 @@ def test_bench_chat_poisson_and_failures_counted(tiny_cluster):
     s = json.loads(proc.stdout.strip().splitlines()[-1])
     assert s["completed"] == 0 and s["failed"] == 3
     assert "404" in next(iter(s["errors"]))
+
+
+@pytest.mark.timeout(180)
+def test_rate_sweep_goodput_and_nothing_leaked(tiny_cluster, tmp_path):
+    out = tmp_path / "sweep"
+    proc = _bench(tiny_cluster, "--sweep-rate", "4,16", "--sweep-duration", "1",
+                  "--input-len", "8:16", "--output-len", "4", "--warmup", "1",
+                  "--slo-ttft", "30000", "--slo-itl", "30000", "--label", "tiny",
+                  "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "highest rate with >= 90% attainment: 16 req/s" in proc.stdout, proc.stdout
+    report = json.loads((out / "sweep_report.json").read_text())
+    sweep = report["sweep"]
+    assert sweep["label"] == "tiny" and sweep["max_rate"] == 16
+    assert [p["rate"] for p in sweep["points"]] == [4, 16]
+    assert [p["sent"] for p in sweep["points"]] == [4, 16]  # ~1 s of arrivals per rate
+    for point, rate in zip(sweep["points"], report["rates"]):
+        assert point["failed"] == 0 and point["attainment"] == 1.0
+        assert point["goodput"] == pytest.approx(point["request_throughput"])
+        assert len(rate["requests"]) == point["sent"]
+        assert all(r["ok"] and r["output_tokens"] == 4 for r in rate["requests"])
+    assert (out / "attainment.png").read_bytes()[:4] == b"\x89PNG"
+    # An SLO nobody meets: the sweep stops after the first rate.
+    proc = _bench(tiny_cluster, "--sweep-rate", "4,8", "--sweep-duration", "0.5",
+                  "--input-len", "8", "--output-len", "2", "--warmup", "0", "--slo-ttft", "0.001",
+                  "--sweep-stop-below", "0.5", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rates 8 not run" in proc.stderr
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [p["rate"] for p in line["points"]] == [4] and line["max_rate"] is None
+    # Every page and slot came back once the sweeps ended.
+    for w in tiny_cluster.wait_idle():
+        assert w["kv_pages_in_use"] == 0 and w["num_running"] == 0 and w["num_waiting"] == 0
