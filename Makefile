@@ -29,8 +29,9 @@ test: install
 test-unit: install
 	$(BIN)/python -m pytest -q -m "not gpu" tests/unit $(PYTEST_ARGS)
 
-# Minutes of hundreds of concurrent streaming clients on loopback (tiny model, CPU); prints a
-# `soak-result {...}` line. Knobs: PDSERVE_SOAK_SECONDS (180), PDSERVE_SOAK_CLIENTS (256).
+# Minutes of hundreds of concurrent streaming clients against the default `pdserve up` (SmolLM2
+# on CPU), and a router restarted after a 60 s outage; prints `soak-result {...}` and
+# `outage-result {...}` lines. Knobs: PDSERVE_SOAK_SECONDS (180), PDSERVE_SOAK_CLIENTS (256).
 soak: install
 	PDSERVE_SOAK=1 $(BIN)/python -m pytest -q -s -m slow tests/integration/test_faults_soak.py \
 	  $(PYTEST_ARGS)

@@ -1,10 +1,14 @@
 """Decode scheduler: prealloc queue -> transfer queue -> running batch (+ local prefill).
 
 A request with a bootstrap address first waits in the prealloc queue until pages for its whole
-prompt fit (free pages minus a reserve for the running requests' growth), then registers those
-pages with the prefill worker and waits in the transfer queue. On Success it becomes a running
-request directly from the pages and the aux data (first token): no forward pass. A request
-without a bootstrap address is prefilled here (mixed role / short prompts).
+prompt fit (free pages minus a reserve for the running requests' growth, and none while
+retracted requests wait to be recomputed) and fewer than `max_running` requests are running or
+in transfer: the KV pages gate admission, max_running is a ceiling on top. It then registers
+those pages with the prefill worker and waits in the transfer queue. Its KV receiver exists
+from arrival, so while it waits for capacity, decode's heartbeats name its room to prefill as
+queued here: neither side's bootstrap deadline runs, only the request's own. On Success it
+becomes a running request directly from the pages and the aux data (first token): no forward
+pass. A request without a bootstrap address is prefilled here (mixed role / short prompts).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class DecodeScheduler(Scheduler):
         elif self.kv is None:
             raise ValueError("bootstrap_addr: this worker has no KV transfer (mixed role)")
         else:
+            req.receiver = self.kv.create_receiver(req.room, req.bootstrap_addr)
             self.prealloc.append(req)
 
     @property
@@ -106,6 +111,10 @@ class DecodeScheduler(Scheduler):
         return self.config.decode_reserve_tokens * (len(self.running) + len(self.transfer))
 
     def _admit_prealloc(self) -> None:
+        if any(r.receiver.poll() == KVPoll.Failed for r in self.prealloc):
+            self._drop_failed_prealloc()  # its prefill peer died or refused the handshake
+        if any(r.num_retractions for r in self.waiting):
+            return  # retracted requests get their pages back first
         ps = self.memory.page_size
         while self.prealloc:
             req = self.prealloc[0]
@@ -124,12 +133,16 @@ class DecodeScheduler(Scheduler):
             pages = (slots[::ps] // ps).tolist()
             req.t_prealloc = time.perf_counter()
             try:
-                req.receiver = self.kv.create_receiver(req.room, req.bootstrap_addr)
                 req.receiver.init(pages)
             except (ValueError, RuntimeError, OSError) as e:
                 self._discard(req, f"transfer setup failed: {e}")
                 continue
             self.transfer.append(req)
+
+    def _drop_failed_prealloc(self) -> None:
+        for req in [r for r in self.prealloc if r.receiver.poll() == KVPoll.Failed]:
+            self.prealloc.remove(req)
+            self._discard(req, req.receiver.failure_reason or "KV transfer failed")
 
     def _poll_transfer(self) -> None:
         still = []
@@ -176,4 +189,5 @@ class DecodeScheduler(Scheduler):
         st = self.memory.stats()
         return {"num_running": len(self.running),
                 "num_waiting": len(self.prealloc) + len(self.transfer) + len(self.waiting),
-                "num_inflight": len(self.transfer), **st.__dict__}
+                "num_inflight": len(self.transfer), "max_running": self.config.max_running,
+                **st.__dict__}

@@ -32,8 +32,8 @@ REGISTER = b"REGISTER"  # decode -> prefill: room, aux slot; blob: destination p
 ABORT = b"ABORT"  # either way: room, reason
 NOTIFY = b"NOTIFY"  # prefill -> decode: a chunk was written one-sided; blobs: header, token
 ACK = b"ACK"  # decode -> prefill: every page and the aux data of a room arrived
-PING = b"PING"  # decode -> prefill heartbeat
-PONG = b"PONG"  # prefill -> decode heartbeat reply
+PING = b"PING"  # decode -> prefill heartbeat; names the rooms queued at decode (no pages yet)
+PONG = b"PONG"  # prefill -> decode heartbeat reply; names the rooms queued at prefill
 BYE = b"BYE"  # decode -> prefill: closing, fail my rooms now
 
 

@@ -63,7 +63,6 @@ class DecodeSide:
         self.config = config
         self.fingerprint = fingerprint
         self.host = host_id(config.host_id)
-        self.ident = secrets.token_bytes(16)
         self.aux_slots = AuxSlots(config.num_aux_slots)
         self._lock = threading.Lock()  # guards _receivers
         self._receivers: dict[int, KVReceiver] = {}
@@ -186,7 +185,9 @@ class DecodeSide:
         peer = self._peers.get(addr)
         if peer is None:
             sock = self.loop.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, self.ident)
+            # A fresh identity per connection: a ROUTER ignores a newcomer with the identity of
+            # a peer it has not seen leave (a reconnect right after a REFUSE went unanswered).
+            sock.setsockopt(zmq.IDENTITY, secrets.token_bytes(16))
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(f"tcp://{addr}")
             peer = _PrefillPeer(addr, sock, time.monotonic())
@@ -266,6 +267,15 @@ class DecodeSide:
             if eng is not None and eng.one_sided and blobs:
                 eng.deliver(blobs[0], blobs[1] if len(blobs) > 1 else b"")
 
+    def _queued_rooms(self) -> dict[str, list[int]]:
+        """Rooms waiting in decode's own queue (no pages yet), by prefill address."""
+        by_addr: dict[str, list[int]] = {}
+        with self._lock:
+            for r in self._receivers.values():
+                if r.queued:
+                    by_addr.setdefault(r.bootstrap_addr, []).append(r.room)
+        return by_addr
+
     def _drop_peer(self, peer: _PrefillPeer, reason: str) -> None:
         self._peers.pop(peer.addr, None)
         self.loop.remove_socket(peer.sock)
@@ -279,8 +289,10 @@ class DecodeSide:
         now, cfg = time.monotonic(), self.config
         if now - self._last_ping >= cfg.heartbeat_interval_s:
             self._last_ping = now
+            queued = self._queued_rooms()
             for peer in self._peers.values():
-                self._send(peer, C.PING, {})
+                rooms = queued.get(peer.addr)
+                self._send(peer, C.PING, {"queued": rooms} if rooms else {})
         for peer in list(self._peers.values()):
             if now - peer.last_seen > cfg.heartbeat_window_s:
                 self._drop_peer(peer, f"prefill {peer.addr} silent for "
@@ -294,7 +306,8 @@ class DecodeSide:
             receivers = list(self._receivers.values())
         for r in receivers:
             st, since = r.state.status, r.state.since
-            if st == KVPoll.Bootstrapping and now - since > cfg.bootstrap_timeout_s:
+            if st == KVPoll.Bootstrapping and not r.queued and \
+                    now - max(since, r.init_at) > cfg.bootstrap_timeout_s:
                 r.abort(f"bootstrap timeout ({cfg.bootstrap_timeout_s}s)")
             elif st == KVPoll.WaitingForInput and \
                     now - max(since, r.queued_at_peer) > cfg.waiting_timeout_s:

@@ -61,6 +61,8 @@ class PrefillSide:
         self._senders: dict[int, KVSender] = {}
         self._pending: dict[int, tuple[bytes, np.ndarray, int, float]] = {}
         self._tombstones: dict[int, float] = {}
+        # Rooms a decode peer named as queued in its own queue (last PING): control loop only.
+        self._held: dict[int, float] = {}
         self._peers: dict[bytes, _DecodePeer] = {}  # control loop only
         self.loop = C.ControlLoop(self._tick, min(0.05, config.heartbeat_interval_s / 4),
                                   "kv-prefill-control")
@@ -154,6 +156,12 @@ class PrefillSide:
         peer.rooms.add(sender.room)
         sender.state.advance(KVPoll.WaitingForInput)
 
+    def _hold(self, ping: dict[str, Any], now: float) -> None:
+        """Rooms decode holds in its own queue (no capacity yet): their bootstrap deadline
+        restarts, so a request waiting for decode capacity is not failed here."""
+        for room in ping.get("queued", ()):
+            self._held[int(room)] = now
+
     def _on_message(self, frames: list[bytes]) -> None:
         ident, (kind, body, blobs) = frames[0], C.unpack(frames[1:])
         now = time.monotonic()
@@ -164,6 +172,7 @@ class PrefillSide:
             self.handshakes.on_hello(ident, body)
         elif peer is None and self.handshakes.pending(ident):
             if kind == C.PING:  # still connecting: alive, no rooms yet
+                self._hold(body, now)
                 self._send(ident, C.PONG, {"rooms": []})
             elif kind == C.BYE:
                 self.handshakes.end(ident)
@@ -172,6 +181,7 @@ class PrefillSide:
             # A decode that knew a previous incarnation of this worker: make it re-handshake.
             self._send(ident, C.REFUSE, {"reason": "unknown peer (prefill restarted?)"})
         elif kind == C.PING:
+            self._hold(body, now)
             # Name the rooms still queued here for this peer: decode's waiting timeout only
             # runs for rooms prefill has forgotten, so a long prefill queue does not fail them.
             with self._lock:
@@ -242,9 +252,13 @@ class PrefillSide:
             for room, t in list(self._tombstones.items()):
                 if now - t > cfg.finished_room_ttl_s:
                     del self._tombstones[room]
+        for room, t in list(self._held.items()):
+            if now - t > cfg.bootstrap_timeout_s:
+                del self._held[room]
         for s in senders:
             st, since = s.state.status, s.state.since
-            if st == KVPoll.Bootstrapping and now - since > cfg.bootstrap_timeout_s:
+            if st == KVPoll.Bootstrapping and \
+                    now - max(since, self._held.get(s.room, 0.0)) > cfg.bootstrap_timeout_s:
                 s.abort(f"bootstrap timeout ({cfg.bootstrap_timeout_s}s): decode never "
                         f"registered")
             # No waiting timeout here: a room waiting for its pages is queued in this worker's

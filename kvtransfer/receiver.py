@@ -10,6 +10,7 @@ receiver holds one aux slot from init() until the room ends, and frees it itself
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,6 +39,7 @@ class KVReceiver:
         self._have_aux = False
         # Last heartbeat in which prefill listed this room as still queued (monotonic s).
         self.queued_at_peer = 0.0
+        self.init_at = 0.0  # when init() registered the pages (0: still queued at decode)
 
     # -- scheduler-facing -----------------------------------------------------------------
     def poll(self) -> KVPoll:
@@ -46,6 +48,13 @@ class KVReceiver:
     @property
     def failure_reason(self) -> str | None:
         return self.state.failure_reason
+
+    @property
+    def queued(self) -> bool:
+        """Created but not init()ed: the request waits in decode's own queue for pages. Such
+        a room has no bootstrap deadline here, and decode's heartbeats name it to prefill so
+        that prefill's does not run either (the request's deadline still ends it)."""
+        return self.init_at == 0.0 and not self.state.done
 
     @property
     def aux(self) -> AuxData | None:
@@ -67,6 +76,7 @@ class KVReceiver:
         with self.lock:
             self.dst_pages = dst_pages
             self._arrived = np.zeros(n, dtype=bool)
+            self.init_at = time.monotonic()
         self._side.register(self)
 
     def abort(self, reason: str = "aborted by decode") -> None:

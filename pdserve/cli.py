@@ -7,8 +7,11 @@ Subcommands are imported lazily so `pdserve kvbench` does not load transformers 
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import sys
 
+from pdserve.child import watch_launcher
 from pdserve.envs import envs
 
 # subcommand -> ("module[:function]", help); the function (default `main`) takes the argv
@@ -25,6 +28,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "kvtrace": ("pdserve.kvtransfer.trace", "stage medians of a PDSERVE_KV_TRACE=1 log"),
     "bench": ("pdserve.bench.serve", "serving load generator (TTFT, ITL, goodput)"),
 }
+
+
+# Long-running servers: run from the command line, they leave with os._exit once they have
+# released what they own (drained, deregistered, KV and shared memory closed). The interpreter's
+# own finalization, a full garbage collection over everything torch and transformers created,
+# took 3-4 s per worker on the 2-core CI machine; a stopped cluster is gone in well under that.
+SERVERS = ("up", "router", "prefill", "decode", "mixed")
 
 
 def _usage() -> str:
@@ -52,9 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"pdserve: {e}", file=sys.stderr)
         return 2
+    watch_launcher()  # a child of `pdserve up` stops when the launcher is gone
     module_name, _, func = SUBCOMMANDS[name][0].partition(":")
     entry = getattr(importlib.import_module(module_name), func or "main")
-    return int(entry(args[1:]) or 0)
+    code = int(entry(args[1:]) or 0)
+    if argv is None and name in SERVERS:  # the real command line, not a call in a process
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -89,6 +89,11 @@ class Envs:
         "PDSERVE_CACHE", None, _text,
         "cache folder (default model, tokenizers, CPU kernel); unset: $XDG_CACHE_HOME/pdserve "
         "or ~/.cache/pdserve")
+    # Process lifetime.
+    launcher_fd: int | None = _switch(
+        "PDSERVE_LAUNCHER_FD", None, _number(int),
+        "set by `pdserve up` in the processes it starts: a pipe that reads end-of-file once the "
+        "launcher is gone, however it died; the process then stops (pdserve/child.py)")
     # Tests.
     skip_flashinfer: bool = _switch(
         "PDSERVE_SKIP_FLASHINFER", False, _flag,

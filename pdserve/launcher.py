@@ -1,7 +1,11 @@
 """`pdserve up`: a router plus N prefill and M decode workers as processes on this machine.
 
 Prints one line containing `ready` and the URL once every worker has registered with the
-router; Ctrl-C / SIGTERM drains the workers, stops the router, and leaves no process behind.
+router. SIGINT, SIGTERM and SIGHUP drain: the workers finish their requests and deregister, then
+the router stops; a second signal makes them stop at once. Whatever ends the launcher, SIGKILL
+included, its processes stop with it (pdserve/child.py). A worker that exits leaves rotation and
+the others keep serving; a router that exits is started again on the same ports after a backoff
+(RESTART_BACKOFF_S, doubling), and the workers, which stay up, register with the new one.
 """
 
 from __future__ import annotations
@@ -10,24 +14,18 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
 
+from pdserve.child import Child, Lifeline
 from pdserve.worker.sm_share import check_share, percentage
 
 # Prefill's share of the SMs under --spatial (docs/performance.md, "Spatial P/D").
 DEFAULT_PREFILL_SM_SHARE = 0.5
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    ready: dict[str, str]
+RESTART_BACKOFF_S = (1.0, 30.0)  # first delay before a router restart, and the cap
+RESTART_RESET_S = 60.0  # a router up this long restarts after the first delay again
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,32 +56,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _spawn(name: str, argv: list[str], env: dict[str, str]) -> Proc:
-    popen = subprocess.Popen([sys.executable, "-m", "pdserve", *argv], stdout=subprocess.PIPE,
-                             text=True, env=env, start_new_session=True)
-    return Proc(name, popen, {})
-
-
-def _await_ready(proc: Proc, prefix: str, deadline: float) -> dict[str, str]:
-    """Read stdout until the `<prefix> ready k=v ...` line; then echo the rest in a thread."""
-    assert proc.popen.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.popen.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{proc.name} exited with {proc.popen.wait()} before ready")
-        if line.startswith(f"{prefix} ready"):
-            fields = dict(kv.split("=", 1) for kv in line.split()[2:] if "=" in kv)
-            threading.Thread(target=_echo, args=(proc,), daemon=True).start()
-            return fields
-        sys.stdout.write(line)
-    raise RuntimeError(f"{proc.name}: not ready in time")
-
-
-def _echo(proc: Proc) -> None:
-    for line in proc.popen.stdout:  # type: ignore[union-attr]
-        sys.stdout.write(f"[{proc.name}] {line}")
-
-
 def _gpu_count() -> int:
     try:
         import torch
@@ -93,21 +65,73 @@ def _gpu_count() -> int:
         return 0
 
 
-def _stop_all(procs: list[Proc], timeout_s: float = 30.0) -> None:
+def _log(msg: str) -> None:
+    print(f"pdserve up: {msg}", file=sys.stderr, flush=True)
+
+
+def _stop_all(procs: list[Child], timeout_s: float = 30.0) -> None:
     """Workers drain first (SIGTERM, deregister), then the router; SIGKILL past the timeout."""
-    workers = [p for p in procs if p.name != "router"]
-    routers = [p for p in procs if p.name == "router"]
+    workers = [p for p in procs if p.prefix != "router"]
+    routers = [p for p in procs if p.prefix == "router"]
     for group in (workers, routers):
         for p in group:
-            if p.popen.poll() is None:
-                p.popen.send_signal(signal.SIGTERM)
+            p.signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for p in group:
-            try:
-                p.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.popen.pid, signal.SIGKILL)
-                p.popen.wait()
+            while p.running and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if p.running:
+                p.kill()
+            p.popen.wait()
+
+
+class _Router:
+    """The router child and its restarts: same ports, backoff doubling, reset after uptime."""
+
+    def __init__(self, args: argparse.Namespace, env: dict[str, str], lifeline: Lifeline,
+                 procs: list[Child]) -> None:
+        self.args, self.env, self.lifeline, self.procs = args, env, lifeline, procs
+        self.child = self._spawn(args.port, args.grpc_port)
+        self.http = self.grpc = ""
+        self.delay = RESTART_BACKOFF_S[0]
+
+    def _spawn(self, http_port: int, grpc_port: int) -> Child:
+        a = self.args
+        child = Child.spawn("router", "router", [
+            "router", "--host", a.host, "--port", str(http_port), "--grpc-port",
+            str(grpc_port), "--model", a.model, *a.router_arg], self.env, self.lifeline)
+        self.procs.append(child)
+        return child
+
+    def wait_ready(self, deadline: float, stop: threading.Event) -> None:
+        ready = self.child.wait_ready(deadline, stop)
+        self.http, self.grpc = ready["http"], ready["grpc"]
+
+    def restart(self, stop: threading.Event) -> None:
+        """The router exited: start it again after the backoff (unless `stop` comes first)."""
+        old = self.child
+        uptime = time.monotonic() - old.started_at
+        if uptime >= RESTART_RESET_S:
+            self.delay = RESTART_BACKOFF_S[0]
+        _log(f"the router exited with {old.popen.returncode} after {uptime:.0f}s; restarting "
+             f"it in {self.delay:.0f}s (workers stay up)")
+        self.procs.remove(old)
+        if stop.wait(self.delay):
+            return
+        self.delay = min(self.delay * 2, RESTART_BACKOFF_S[1])
+        http_port = int(self.http.rpartition(":")[2])
+        grpc_port = int(self.grpc.rpartition(":")[2])
+        self.child = self._spawn(http_port, grpc_port)
+        try:
+            self.wait_ready(time.monotonic() + self.args.ready_timeout, stop)
+        except RuntimeError as e:
+            if stop.is_set():
+                return  # stopping: _stop_all takes it down with the others
+            _log(f"router restart failed: {e}")
+            if self.child.running:
+                self.child.kill()
+            return  # the supervisor sees it exited and tries again after a longer delay
+        _log(f"the router is back at {self.http}; workers register with it again")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,21 +160,25 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = default_model_path()  # fetch once here, not in every worker at once
     env = dict(os.environ)
-    procs: list[Proc] = []
+    lifeline = Lifeline()
+    procs: list[Child] = []
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+
+    def on_signal(signum: int, frame: object) -> None:
+        if stop.is_set():  # a second signal: the children stop at once instead of draining
+            for p in procs:
+                p.signal(signal.SIGTERM)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     deadline = time.monotonic() + args.ready_timeout
     spatial = None
     try:
         if args.spatial:
             spatial = _plan_spatial(args, env)
-        router = _spawn("router", ["router", "--host", args.host, "--port", str(args.port),
-                                   "--grpc-port", str(args.grpc_port), "--model", args.model,
-                                   *args.router_arg], env)
-        procs.append(router)
-        ready = _await_ready(router, "router", deadline)
-        grpc_addr, http = ready["grpc"], ready["http"]
+        router = _Router(args, env, lifeline, procs)
+        router.wait_ready(deadline, stop)
         roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["mixed"] * args.mixed
         gpus = _gpu_count() if args.device.startswith("cuda") else 0
         if gpus and max(tps[r] for r in roles) > gpus:
@@ -159,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         # CPU workers share the cores: oversubscribed torch threads slow every matmul badly.
         threads = [] if gpus else ["--threads", str(max(1, (os.cpu_count() or 1) // len(roles)))]
         first_gpu = 0
+        workers = []
         for i, role in enumerate(roles):
             wenv = dict(env)
             tp = tps[role]
@@ -167,33 +196,22 @@ def main(argv: list[str] | None = None) -> int:
                     str((first_gpu + r) % gpus) for r in range(tp))
                 first_gpu += tp
             share = spatial.worker_args(role) if spatial is not None else []
-            proc = _spawn(f"{role}-{i}", [role, "--model", args.model, "--device", args.device,
-                                          "--host", args.host, "--router", grpc_addr,
-                                          "--tp", str(tp), *threads, *share, *args.worker_arg],
-                          wenv)
-            procs.append(proc)
-        for proc in procs[1:]:
-            proc.ready = _await_ready(proc, "worker", deadline)
-        _wait_registered(http, len(roles), deadline)
+            workers.append(Child.spawn(
+                f"{role}-{i}", "worker",
+                [role, "--model", args.model, "--device", args.device, "--host", args.host,
+                 "--router", router.grpc, "--tp", str(tp), *threads, *share, *args.worker_arg],
+                wenv, lifeline))
+            procs.append(workers[-1])
+        for proc in workers:
+            proc.wait_ready(deadline, stop)
+        _wait_registered(router.http, len(roles), deadline, stop)
         tail = ""
         if args.spatial:  # what the SMs are split into, or `off` (the plain path was taken)
             tail = " spatial=" + ("off" if spatial is None else "/".join(
                 str(percentage(spatial.shares[r])) for r in ("prefill", "decode")))
-        print(f"pdserve ready {http} grpc={grpc_addr} prefill={args.prefill} "
+        print(f"pdserve ready {router.http} grpc={router.grpc} prefill={args.prefill} "
               f"decode={args.decode} mixed={args.mixed}{tail}", flush=True)
-        while not stop.is_set():
-            # A worker that exits (drained, or died) leaves rotation and the others keep
-            # serving; only the router's exit ends the cluster.
-            for p in [p for p in procs if p.name != "router" and p.popen.poll() is not None]:
-                if p.popen.returncode != 0:
-                    print(f"pdserve up: {p.name} exited with {p.popen.returncode}; serving "
-                          f"with the remaining workers", file=sys.stderr, flush=True)
-                procs.remove(p)
-            if router.popen.poll() is not None:
-                print(f"pdserve up: the router exited with {router.popen.returncode}",
-                      file=sys.stderr)
-                return 1
-            stop.wait(0.5)
+        _supervise(router, procs, stop)
         return 0
     except RuntimeError as e:
         print(f"pdserve up: error: {e}", file=sys.stderr)
@@ -224,8 +242,22 @@ def _plan_spatial(args: argparse.Namespace, env: dict[str, str]):  # noqa: ANN20
     return plan
 
 
-def _wait_registered(http: str, count: int, deadline: float) -> None:
-    while time.monotonic() < deadline:
+def _supervise(router: _Router, procs: list[Child], stop: threading.Event) -> None:
+    """Until a stop signal: drop workers that exited, restart a router that did."""
+    while not stop.is_set():
+        for p in [p for p in procs if p.prefix == "worker" and not p.running]:
+            if p.popen.returncode != 0:
+                _log(f"{p.name} exited with {p.popen.returncode}; serving with the remaining "
+                     f"workers")
+            procs.remove(p)
+        if not router.child.running:
+            router.restart(stop)
+            continue
+        stop.wait(0.5)
+
+
+def _wait_registered(http: str, count: int, deadline: float, stop: threading.Event) -> None:
+    while time.monotonic() < deadline and not stop.is_set():
         try:
             with urllib.request.urlopen(f"{http}/workers", timeout=5) as resp:
                 workers = json.load(resp)["workers"]

@@ -159,4 +159,5 @@ class PrefillScheduler(Scheduler):
         st = self.memory.stats()
         return {"num_running": len(self.running) + (1 if self.chunked else 0),
                 "num_waiting": len(self.waiting) + len(self.bootstrap),
-                "num_inflight": len(self.inflight), **st.__dict__}
+                "num_inflight": len(self.inflight), "max_running": self.config.max_running,
+                **st.__dict__}

@@ -135,7 +135,7 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_pages_total", "kv_pages_free", "kv_pages_cached", "kv_pages_in_use", "num_inflight")
+    __slots__ = ("num_running", "num_waiting", "kv_pages_total", "kv_pages_free", "kv_pages_cached", "kv_pages_in_use", "num_inflight", "max_running")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class WorkerLoad(_message.Message):
     KV_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_IN_USE_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_pages_total: int
@@ -150,7 +151,8 @@ class WorkerLoad(_message.Message):
     kv_pages_cached: int
     kv_pages_in_use: int
     num_inflight: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., kv_pages_in_use: _Optional[int] = ..., num_inflight: _Optional[int] = ...) -> None: ...
+    max_running: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., kv_pages_in_use: _Optional[int] = ..., num_inflight: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "bootstrap_addr", "model", "state", "load", "page_size", "max_context_len", "transfer_backend", "transfer_backends")

@@ -183,7 +183,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 
 _LOAD_FIELDS = ("num_running", "num_waiting", "num_inflight", "kv_pages_total", "kv_pages_free",
-                "kv_pages_cached", "kv_pages_in_use")
+                "kv_pages_cached", "kv_pages_in_use", "max_running")
 
 
 def load_to_dict(load: pb.WorkerLoad) -> dict[str, int]:

@@ -44,6 +44,9 @@ class RouterConfig:
     api_key: str | None = None
     registration_secret: str | None = None
     retries: int = 1
+    # Requests queued past the decode workers' running ceilings before new ones get 429
+    # (router/admission.py); None: 4 per running slot of the workers in rotation.
+    max_queued_requests: int | None = None
     cache_aware_balance_abs: int = 8  # cache_aware: fall back to least load past this gap ...
     cache_aware_balance_rel: float = 1.5  # ... and when max load > rel * min load
     cache_aware_min_match: float = 0.5  # matched fraction of the prompt needed for affinity
@@ -92,6 +95,10 @@ class RouterConfig:
             raise ValueError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes!r}")
         if not isinstance(self.retries, int) or not 0 <= self.retries <= 10:
             raise ValueError(f"retries: must be in [0, 10], got {self.retries!r}")
+        if self.max_queued_requests is not None and (
+                not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0):
+            raise ValueError(f"max_queued_requests: must be >= 0 (or unset: sized from the "
+                             f"workers), got {self.max_queued_requests!r}")
         if not isinstance(self.default_max_tokens, int) or self.default_max_tokens < 1:
             raise ValueError(
                 f"default_max_tokens: must be >= 1, got {self.default_max_tokens!r}")

@@ -21,6 +21,10 @@ class RouterError(Exception):
         self.param = param
         self.code = code
 
+    def headers(self) -> dict[str, str]:
+        """HTTP headers of the error answer."""
+        return {}
+
     def to_openai(self) -> dict:
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
                           "code": self.code}}
@@ -57,6 +61,21 @@ class BodyTooLarge(RouterError):
     status = 413
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     err_type = "invalid_request_error"
+
+
+class Overloaded(RouterError):
+    """The queue in front of the workers is full (router/admission.py): refused at once."""
+
+    status = 429
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    err_type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: int, code: str = "queue_full"):
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 class NoWorkers(RouterError):

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=c.request_timeout_s, metavar="S")
     p.add_argument("--max-body-bytes", type=int, default=c.max_body_bytes)
     p.add_argument("--retries", type=int, default=c.retries)
+    p.add_argument("--max-queued-requests", type=int, default=c.max_queued_requests,
+                   metavar="N", help="requests queued past the decode workers' --max-running "
+                   "before new ones are refused with 429 (default: 4 per running slot)")
     p.add_argument("--disagg-threshold", type=int, default=c.disagg_threshold, metavar="TOKENS",
                    help="prefill remotely only when the uncached prompt has at least this many "
                         "tokens, else on the decode worker (0 = always disaggregate)")
@@ -84,7 +87,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         heartbeat_interval_s=args.heartbeat_interval, lease_s=args.lease,
         health_check_interval_s=args.health_check_interval,
         request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-        retries=args.retries, disagg_threshold=args.disagg_threshold,
+        retries=args.retries, max_queued_requests=args.max_queued_requests,
+        disagg_threshold=args.disagg_threshold,
         local_prefill_fallback=args.local_prefill_fallback, slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms, tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key, tls_ca_file=args.tls_ca,
@@ -105,7 +109,7 @@ async def serve(config: RouterConfig) -> None:
     server = RouterServer(config)
     await server.start()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, server.request_stop)
     try:
         print(server.ready_line, flush=True)

@@ -10,12 +10,12 @@ from prometheus_client.registry import Collector
 
 from pdserve.router.disagg import DisaggDecision
 from pdserve.router.events import TIMING_FIELDS, Usage
-from pdserve.router.registry import Registry
+from pdserve.router.registry import SERVING_ROLES, Registry
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 _LOAD_FIELDS = ("num_running", "num_waiting", "num_inflight", "kv_pages_total", "kv_pages_free",
-                "kv_pages_cached", "kv_pages_in_use")
+                "kv_pages_cached", "kv_pages_in_use", "max_running")
 
 
 class _WorkerCollector(Collector):
@@ -40,8 +40,12 @@ class _WorkerCollector(Collector):
             inflight.add_metric(labels, float(w.inflight))
             for f, fam in loads.items():
                 fam.add_metric(labels, float(getattr(w.load, f)))
+        queued = GaugeMetricFamily("pdserve_router_queued_requests",
+                                   "requests queued past the decode workers' running ceilings")
+        queued.add_metric([], float(sum(w.queued for w in entries if w.role in SERVING_ROLES)))
         yield up
         yield inflight
+        yield queued
         yield from loads.values()
 
 

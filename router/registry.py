@@ -28,6 +28,7 @@ from pdserve.router.config import RouterConfig
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed")
+SERVING_ROLES = ("decode", "mixed")  # the roles that run a request's decode
 FAILURES_TO_EJECT = 3
 HEALTH_TIMEOUTS_TO_EJECT = 2
 
@@ -64,6 +65,12 @@ class WorkerEntry:
         reported = self.load.num_running + self.load.num_waiting
         return max(self.inflight, reported)
 
+    @property
+    def queued(self) -> int:
+        """Requests on the worker past its running ceiling (0 when it reports none)."""
+        ceiling = self.load.max_running
+        return max(0, self.load_score - ceiling) if ceiling > 0 else 0
+
     def open(self) -> pb_grpc.WorkerStub:
         if self.stub is None:
             self.channel = open_channel(self.address, self.ca_file)
@@ -94,7 +101,8 @@ class WorkerEntry:
         return {"worker_id": self.worker_id, "role": self.role, "address": self.address,
                 "state": self.state, "bootstrap_addr": self.bootstrap_addr,
                 "static": self.static, "max_context_len": self.max_context_len,
-                "router_inflight": self.inflight, "transfer_backend": self.transfer_backend,
+                "router_inflight": self.inflight, "queued": self.queued,
+                "transfer_backend": self.transfer_backend,
                 "transfer_backends": list(self.transfer_backends), **load_to_dict(self.load)}
 
 
@@ -128,6 +136,15 @@ class Registry:
     def available(self, *roles: str) -> list[WorkerEntry]:
         """Healthy, non-draining workers of the given roles, in a stable order."""
         return [w for w in self.all() if w.state == "healthy" and w.role in roles]
+
+    def running_slots(self) -> int:
+        """Requests the decode and mixed workers in rotation run at once, in all."""
+        return sum(w.load.max_running for w in self.available(*SERVING_ROLES))
+
+    def queued_requests(self) -> int:
+        """Requests waiting past the decode and mixed workers' running ceilings, in all (every
+        request passes exactly one of them; draining or unhealthy ones still hold theirs)."""
+        return sum(w.queued for w in self._workers.values() if w.role in SERVING_ROLES)
 
     # ------------------------------------------------------------------ registration
     def check_secret(self, secret: str) -> bool:

@@ -5,6 +5,8 @@ Invariants:
   request_id) to both legs: on stop strings, client disconnect, cancellation, a failed leg.
 - A failure before the first token reached the caller is retried (`config.retries` times) with
   a fresh pair and a fresh room; after that the stream ends with an error event.
+- A request that finds the queue in front of the workers full is refused before anything is
+  sent (429, router/admission.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import grpc
 from pdserve.engine.stop import TextStream
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto.rpc import sampling_to_proto
+from pdserve.router.admission import QueueGate
 from pdserve.router.attempt import Attempt, LegFailure
 from pdserve.router.config import RouterConfig
 from pdserve.router.disagg import DisaggDecision, DisaggPolicy
@@ -49,6 +52,7 @@ class RequestFlow:
         self.metrics = metrics
         self.eos_ids = eos_token_ids(tokenizer)
         self.disagg = DisaggPolicy(config.disagg_threshold)
+        self.gate = QueueGate(config.max_queued_requests, registry)
         self.slo = SloDispatcher(config.slo_ttft_ms, config.slo_itl_ms) \
             if config.slo_ttft_ms > 0 else None
         self._active: dict[str, asyncio.Event] = {}
@@ -98,6 +102,7 @@ class RequestFlow:
         if req.request_id in self._active:
             raise InvalidRequest(f"request_id: {req.request_id!r} is already running",
                                  param="request_id")
+        self.gate.admit()
         abort_event = asyncio.Event()
         self._active[req.request_id] = abort_event
         exclude: set[str] = set()
@@ -145,6 +150,7 @@ class RequestFlow:
                         self.metrics.on_retry()
         finally:
             self._active.pop(req.request_id, None)
+            self.gate.finished()
 
     def _make_attempt(self, req: PreparedRequest, prefill: WorkerEntry | None,
                       decode: WorkerEntry, abort_event: asyncio.Event) -> Attempt:

@@ -78,8 +78,11 @@ class RouterServer:
             await self._http_task
 
     def request_stop(self) -> None:
-        """Ask `wait()` to return (signal handlers call this)."""
+        """Ask `wait()` to return (signal handlers call this); a second call cuts the open
+        connections at once instead of letting them finish."""
         if self._http is not None:
+            if self._http.should_exit:
+                self._http.force_exit = True
             self._http.should_exit = True
 
     async def stop(self) -> None:

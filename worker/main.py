@@ -3,9 +3,11 @@
 A role (prefill/main.py, decode/main.py) adds its own flags and supplies `build`, which makes
 its engine, scheduler thread and servicer; `run` does the rest. The process prints one line
 `worker ready role=R grpc=HOST:PORT bootstrap=HOST:PORT ... tp=N pids=P0,P1,..` once it
-serves (with --tp N, once all N ranks are; rank 0 is this process). SIGTERM/SIGINT drains:
-new requests are refused, in-flight ones finish (up to --drain-timeout), the worker deregisters
-from its router and exits 0.
+serves (with --tp N, once all N ranks are; rank 0 is this process). SIGTERM, SIGINT and
+SIGHUP drain: new requests are refused, in-flight ones finish (up to --drain-timeout), the
+worker deregisters from its router and exits 0. A second signal during the drain stops at once:
+in-flight requests are aborted (their RPCs cancelled, their KV pages and shared memory released
+as on any stop).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import argparse
 import asyncio
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from grpc_health.v1 import health_pb2
@@ -112,8 +114,8 @@ async def _serve(role: str, args: argparse.Namespace, build: Build) -> int:
         service, args.host, args.port, args.registration_secret or None, args.tls_cert,
         args.tls_key)
     service.address = f"{args.host}:{port}"
-    stop = asyncio.Event()
-    install_signal_handlers(stop)
+    stop, hurry = asyncio.Event(), asyncio.Event()
+    install_signal_handlers(stop, hurry)
     link = None
     if args.router:
         link = RouterLink(args.router, service.info, service.load, args.registration_secret,
@@ -129,14 +131,14 @@ async def _serve(role: str, args: argparse.Namespace, build: Build) -> int:
         if link is not None:
             link.draining = True
         await set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await service.wait_idle(args.drain_timeout)
+        await _unless(hurry, service.wait_idle(args.drain_timeout))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + args.drain_timeout
-        while thread.scheduler.has_work and loop.time() < deadline:
+        while thread.scheduler.has_work and loop.time() < deadline and not hurry.is_set():
             await asyncio.sleep(0.05)
         if link is not None:
             await link.deregister()
-        await server.stop(grace=1.0)
+        await server.stop(grace=None if hurry.is_set() else 1.0)
         thread.stop()
         closers = [*parts.closers, *([parts.engine.close] if parts.engine else [])]
         for close in closers:
@@ -145,6 +147,15 @@ async def _serve(role: str, args: argparse.Namespace, build: Build) -> int:
             except Exception:  # shutdown continues; every resource gets its chance
                 log.exception("close failed")
     return 0
+
+
+async def _unless(hurry: asyncio.Event, work: Awaitable[object]) -> None:
+    """Await `work` unless `hurry` is set first (then it is cancelled)."""
+    task = asyncio.ensure_future(work)
+    hurried = asyncio.ensure_future(hurry.wait())
+    await asyncio.wait({task, hurried}, return_when=asyncio.FIRST_COMPLETED)
+    task.cancel()
+    hurried.cancel()
 
 
 def run(role: str, argv: list[str] | None, build: Build,

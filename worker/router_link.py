@@ -2,6 +2,11 @@
 
 Registration is optional (`--router`): the worker registers, heartbeats its load every interval,
 re-registers when the router forgot it (router restart), and deregisters when it drains.
+
+Reconnection is bounded whatever the outage: gRPC's own reconnect backoff grows to minutes on a
+channel that keeps failing, so while the router is unreachable every attempt (every RETRY_S)
+goes out on a fresh channel, and the channel's backoff is capped at a second besides. A new
+router is found within RETRY_S plus a connect of its being ready.
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ from pdserve.proto.rpc import open_channel
 
 log = logging.getLogger(__name__)
 
+RETRY_S = 0.25  # between registration attempts while the router is unreachable
+CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 250),
+                   ("grpc.min_reconnect_backoff_ms", 250),
+                   ("grpc.max_reconnect_backoff_ms", 1000))
+
 
 class RouterLink:
     """Registration + heartbeat lease with a router's Router service."""
@@ -29,12 +39,21 @@ class RouterLink:
         self.info_fn = info_fn
         self.load_fn = load_fn
         self.secret = secret
+        self.ca_file = ca_file
         self.worker_id = ""
         self.interval_s = 1.0
         self.draining = False
-        self._channel = open_channel(router_addr, ca_file)
+        self._channel = open_channel(router_addr, ca_file, CHANNEL_OPTIONS)
         self._stub = pb_grpc.RouterStub(self._channel)
         self._task: asyncio.Task | None = None
+
+    async def _reopen(self) -> None:
+        """A fresh channel: its first connection attempt goes out at once, not after the
+        failed channel's backoff."""
+        old, self._channel = self._channel, open_channel(self.router_addr, self.ca_file,
+                                                         CHANNEL_OPTIONS)
+        self._stub = pb_grpc.RouterStub(self._channel)
+        await old.close()
 
     async def _register(self) -> None:
         resp = await self._stub.RegisterWorker(
@@ -49,6 +68,7 @@ class RouterLink:
 
     async def _loop(self) -> None:
         while True:
+            delay = self.interval_s
             try:
                 if not self.worker_id:
                     await self._register()
@@ -61,9 +81,12 @@ class RouterLink:
                         continue
             except grpc.aio.AioRpcError as e:  # router down or restarting: keep trying
                 log.debug("router %s unreachable: %s", self.router_addr, e.code())
-                self.worker_id = "" if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED else \
-                    self.worker_id
-            await asyncio.sleep(self.interval_s)
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self.worker_id = ""
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    await self._reopen()
+                    delay = min(self.interval_s, RETRY_S)
+            await asyncio.sleep(delay)
 
     async def deregister(self) -> None:
         if self._task is not None:

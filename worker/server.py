@@ -51,10 +51,18 @@ async def set_health(h, status) -> None:
         await res
 
 
-def install_signal_handlers(stop: asyncio.Event) -> None:
+def install_signal_handlers(stop: asyncio.Event, hurry: asyncio.Event | None = None) -> None:
+    """SIGTERM/SIGINT/SIGHUP set `stop` (drain); another one while stopping sets `hurry`
+    (stop now)."""
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+
+    def on_signal() -> None:
+        if stop.is_set() and hurry is not None:
+            hurry.set()
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):
             pass

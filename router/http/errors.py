@@ -1,7 +1,8 @@
 """Every error the gateway answers, in the OpenAI error shape
 (`{"error": {"message", "type", "param", "code"}}`), never a stack trace:
 
-- RouterError (validation, auth, not found, body too large, no workers): its own status;
+- RouterError (validation, auth, not found, body too large, no workers, overload): its own
+  status and headers (429 carries Retry-After);
 - Starlette's HTTP errors: an unknown route is a 404 naming it, a wrong method a 405;
 - anything else: 500 naming only the exception's type.
 """
@@ -26,7 +27,7 @@ def error_response(status: int, message: str, err_type: str, param: str | None =
 
 
 async def router_error(request: Request, exc: RouterError) -> JSONResponse:
-    return JSONResponse(exc.to_openai(), status_code=exc.status)
+    return JSONResponse(exc.to_openai(), status_code=exc.status, headers=exc.headers())
 
 
 async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

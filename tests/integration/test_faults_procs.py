@@ -2,7 +2,8 @@
 
 Unlike `pdserve up`, each process can be stopped, killed or restarted on its own. Every process
 runs in its own session; `ProcCluster.close()` (called by the `procs` fixture in a finally)
-SIGKILLs whatever is left, so a failing test never leaves processes behind.
+stops whatever is left (SIGKILL past a few seconds), so a failing test never leaves processes
+or shared memory behind.
 """
 
 from __future__ import annotations
@@ -104,8 +105,18 @@ class ProcCluster:
         return self.start_workers(role, args=args)[0]
 
     def close(self) -> None:
+        """Stop at once (two SIGTERMs: no drain, but pools unlinked and ports closed by the
+        processes themselves), then SIGKILL whatever is left."""
+        for sig in (signal.SIGCONT, signal.SIGTERM):  # a stopped process must continue first
+            for p in self.procs:
+                p.signal(sig)
+        time.sleep(0.3)
         for p in self.procs:
-            p.signal(signal.SIGCONT)  # a stopped process cannot die of SIGKILL until continued
+            p.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while any(p.alive for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for p in self.procs:
             p.signal(signal.SIGKILL)
         for p in self.procs:
             try:

@@ -35,7 +35,7 @@ def test_shm_chunks_counted_over_either_channel(direct: bool) -> None:
         assert torch.equal(dst_pool[dst].view(torch.int16), src_pool[src].view(torch.int16))
         assert r.aux == AuxData(11, -0.5, 2)
         socks = pmgr._prefill.xfer.engine("shm")._notifier._socks  # type: ignore
-        assert (socks.get(dmgr._decode.ident.hex()) is not None) == direct  # type: ignore
+        assert bool(socks) == direct  # one decode peer: its socket, or none
     finally:
         pmgr.close()
         dmgr.close()

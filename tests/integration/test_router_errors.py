@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import httpx
 import pytest
 from test_router_fakes import cluster, tokenizer  # noqa: F401 (fixtures)
+
+from pdserve.proto import pdserve_pb2 as pb
 
 
 def _check(r: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -100,3 +105,39 @@ async def test_api_key(cluster):
                             headers={"Authorization": "Bearer sekrit"})
         assert r.status_code == 200
         assert (await http.get("/health")).status_code == 200  # probes need no key
+
+
+async def test_full_queue_is_429_at_once_with_retry_after(cluster):
+    """Decode runs 2 at once and --max-queued-requests is 1: of 6 concurrent requests 3 are
+    served (2 running, 1 queued) and 3 refused at once, with Retry-After and the OpenAI body."""
+    load = pb.WorkerLoad(kv_pages_total=100, kv_pages_free=90, max_running=2)
+    router, fakes = await cluster(worker_kw={"load": load, "token_delay_s": 0.3},
+                                  max_queued_requests=1)
+    base = f"http://127.0.0.1:{router.http_port}"
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        async def one() -> tuple[httpx.Response, float]:
+            t0 = time.monotonic()
+            r = await http.post("/v1/completions",
+                                json={"prompt": "hi", "max_tokens": 4, "stream": True})
+            return r, time.monotonic() - t0
+
+        results = await asyncio.gather(*(one() for _ in range(6)))
+        served = [r for r, _ in results if r.status_code == 200]
+        refused = [(r, dt) for r, dt in results if r.status_code == 429]
+        assert len(served) == 3 and len(refused) == 3, [r.status_code for r, _ in results]
+        assert all("[DONE]" in r.text for r in served)
+        for r, dt in refused:
+            err = _check(r, 429)
+            assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+            assert int(r.headers["Retry-After"]) >= 1
+            assert dt < 1.0  # refused at once, not after waiting
+        assert len(fakes["decode"][0].decode_requests) == 3  # the refused never reached it
+        # Idle again: admitted, and the limit shows in /workers and /metrics.
+        r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        decode = [w for w in (await http.get("/workers")).json()["workers"]
+                  if w["role"] == "decode"]
+        assert decode[0]["max_running"] == 2 and decode[0]["queued"] == 0
+        metrics = (await http.get("/metrics")).text
+        assert 'pdserve_router_requests_total{endpoint="completions",status="429"} 3.0' in metrics
+        assert "pdserve_router_queued_requests 0.0" in metrics

@@ -31,7 +31,7 @@ def _exported() -> set[str]:
     from pdserve.router.metrics import RouterMetrics
 
     worker = SimpleNamespace(address="10.0.0.1:50061", role="decode", state="healthy", inflight=1,
-                             load=pb.WorkerLoad(num_waiting=2, kv_pages_total=8))
+                             queued=0, load=pb.WorkerLoad(num_waiting=2, kv_pages_total=8))
     m = RouterMetrics(SimpleNamespace(all=lambda: [worker]))
     m.on_request("completions", 200)
     m.on_first_token(0.1)
