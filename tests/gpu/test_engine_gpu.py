@@ -19,7 +19,7 @@ from pdserve.bench.periodic_model import (
     periodic_config,
     periodic_hf_model,
 )
-from pdserve.engine.config import CacheConfig
+from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, build_runner
 from pdserve.engine.llm import LLM
 from pdserve.engine.memory import KVMemory
@@ -69,7 +69,8 @@ def test_runner_on_a_group_of_one_continues_every_pattern(periodic_dir: str) -> 
                           wait_for_workers=False)
     group = TPGroup.connect(store, 0, 1, torch.device("cuda"))
     cfg = EngineConfig(model=periodic_dir, device="cuda", attention_backend="triton",
-                       cache=CacheConfig(num_pages=1024, max_reqs=32))
+                       cache=CacheConfig(num_pages=1024, max_reqs=32),
+                       scheduler=SchedulerConfig(max_running=16))
     runner = build_runner(cfg, group)
     assert runner.cuda_graph is not None and runner.model.tp.active
     sched = Scheduler(runner, KVMemory(runner.pool, 32, 4096), cfg.scheduler)
