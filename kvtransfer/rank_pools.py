@@ -84,6 +84,10 @@ class ShmShare(_Share):
     def close(self) -> None:
         for buf in reversed(self._held):
             buf.close()
+        if any(not b.owner for b in self._held):
+            # Rank 0, once the other ranks stopped: the segments of one that was killed (it
+            # could not unlink them) go now rather than at the host's next allocation.
+            sweep_stale_segments()
         self._held.clear()
 
 

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 from pdserve.engine.engine import EngineConfig, EngineParts
 from pdserve.engine.tp.ranks import RankError
-from pdserve.worker.ranks import exit_on_rank_loss, rank_pids
+from pdserve.worker.ranks import EXIT_RANK_LOST, exit_on_rank_loss, rank_pids
 from pdserve.worker.router_link import RouterLink
 from pdserve.worker.scheduler_thread import SchedulerThread
 from pdserve.worker.server import install_signal_handlers, set_health, start_grpc_server
@@ -107,14 +107,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 async def _serve(role: str, args: argparse.Namespace, build: Build) -> int:
     parts = build(args, engine_config(args))
     service, thread = parts.service, parts.thread
+    stop, hurry = asyncio.Event(), asyncio.Event()
     if parts.engine is not None:
-        exit_on_rank_loss(parts.engine, role)
+        loop = asyncio.get_running_loop()
+        exit_on_rank_loss(parts.engine, role, lambda: loop.call_soon_threadsafe(
+            lambda: (hurry.set(), stop.set())))
     thread.start()
     server, port, health = await start_grpc_server(
         service, args.host, args.port, args.registration_secret or None, args.tls_cert,
         args.tls_key)
     service.address = f"{args.host}:{port}"
-    stop, hurry = asyncio.Event(), asyncio.Event()
     install_signal_handlers(stop, hurry)
     link = None
     if args.router:
@@ -146,7 +148,8 @@ async def _serve(role: str, args: argparse.Namespace, build: Build) -> int:
                 close()
             except Exception:  # shutdown continues; every resource gets its chance
                 log.exception("close failed")
-    return 0
+    lost = parts.engine is not None and parts.engine.runner.lost_rank is not None
+    return EXIT_RANK_LOST if lost else 0
 
 
 async def _unless(hurry: asyncio.Event, work: Awaitable[object]) -> None:

@@ -79,7 +79,8 @@ def test_tiny_prefill_1_to_decode_2_then_2_to_1_and_a_decode_rank_dies(procs, ti
     assert elapsed < 30, elapsed  # health check 0.5 s + liveness check + heartbeat window
     assert all(s.error and s.finish is None for s in streams), [s.__dict__ for s in streams]
     assert decode.wait(30) == 3
-    assert f"tensor-parallel rank 1 of 2 (pid {rank1})" in decode.tail()
+    assert f"tensor-parallel rank 1 of 2 (pid {rank1}) exited with code -9; the decode worker " \
+        "goes down" in "".join(decode.log)
     workers = procs.wait_workers(
         lambda ws: [w["role"] for w in ws if w["state"] == "healthy"] == ["prefill"]
         and all(w["kv_pages_in_use"] == 0 and w["num_inflight"] == 0 for w in ws
