@@ -27,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     return p
 
@@ -60,9 +61,12 @@ def main(argv: list[str] | None = None) -> int:
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         llm = LLM(model=args.model, device=args.device, dtype=args.dtype,
                   page_size=args.page_size, max_running=args.max_running,
-                  chunked_prefill_size=args.chunked_prefill_size)
-        outs = llm.generate(prompts, sp, chat=args.chat)
-    except (ValueError, OSError) as e:
+                  chunked_prefill_size=args.chunked_prefill_size, tp=args.tp)
+        try:
+            outs = llm.generate(prompts, sp, chat=args.chat)
+        finally:
+            llm.close()
+    except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: a rank failed (RankError)
         print(f"pdserve generate: error: {e}", file=sys.stderr)
         return 2
     num_tokens = sum(len(o.token_ids) for o in outs)
