@@ -7,6 +7,7 @@ import json
 import sys
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tp.ranks import RankError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             outs = llm.generate(prompts, sp, chat=args.chat)
         finally:
             llm.close()
-    except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: a rank failed (RankError)
+    except (ValueError, OSError, RankError) as e:
         print(f"pdserve generate: error: {e}", file=sys.stderr)
         return 2
     num_tokens = sum(len(o.token_ids) for o in outs)
