@@ -9,6 +9,11 @@ both processes share) and the ratio; the receiver checks a checksum of every pag
 The first row of each backend also gives the first room to the new peer (`first ms`, to set
 against the later rooms' p50) and the handshake before it (`bootstrap_ms`); UCX_TLS, when set,
 is recorded with every row.
+
+`--prefill-tp A --decode-tp B`: each side holds one pool per tensor-parallel rank (heads split
+as the engine splits them) and every decode rank receives its heads of each page. Such a run
+measures the homogeneous case (B ranks on both sides) right after, with the same settings, and
+prints the heterogeneous rows' bandwidth as a ratio of it (`vs homog`).
 """
 
 from __future__ import annotations
@@ -27,13 +32,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from pdserve.bench.kv_peer import PoolSpec, make_pool, page_checksum
+from pdserve.bench.kv_peer import PoolSpec, kv_checksum, make_manager
 from pdserve.bench.kv_worker import SenderProcess
 from pdserve.engine.model_shapes import kv_shape, shape_names
-from pdserve.kvtransfer.backends import available_backends
+from pdserve.kvtransfer.backends import LANE_BACKENDS, available_backends
 from pdserve.kvtransfer.config import IPC_COPIES, TransferConfig
 from pdserve.kvtransfer.descriptors import merge_runs
-from pdserve.kvtransfer.manager import KVManager
 from pdserve.kvtransfer.poll import KVPoll
 
 # (num_layers, num_kv_heads, head_dim) of the shapes that `--model-shape` serves.
@@ -61,6 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--ipc-copy", default="auto", choices=list(IPC_COPIES),
                    help="cuda_ipc: Triton page-to-page kernel, or gather/peer copy/scatter")
+    p.add_argument("--prefill-tp", type=int, default=1, help="sender's tensor-parallel ranks")
+    p.add_argument("--decode-tp", type=int, default=1, help="receiver's tensor-parallel ranks")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     return p.parse_args(argv)
 
@@ -112,7 +118,9 @@ def _pick_pages(rng: random.Random, free: list[int], n: int, layout: str) -> lis
     return out
 
 
-def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm) -> list[dict]:
+def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm,
+             tp: tuple[int, int] = (1, 1)) -> list[dict]:
+    """Rows of one (backend, page size) pair of processes; `tp`: (prefill, decode) ranks."""
     layers, heads, head_dim = MODEL_SHAPES[args.model_shape]
     layers, heads = args.layers or layers, args.kv_heads or heads
     head_dim = args.head_dim or head_dim
@@ -122,13 +130,12 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm) 
     base = {"num_pages": num_pages, "num_layers": layers, "page_size": page_size,
             "num_kv_heads": heads, "head_dim": head_dim, "dtype": args.dtype,
             "model": args.model_shape}
-    src_spec = PoolSpec(**base, seed=0, device=src_dev)  # type: ignore
-    dst_spec = PoolSpec(**base, shm=backend == "shm", device=dst_dev)  # type: ignore
+    src_spec = PoolSpec(**base, seed=0, device=src_dev, tp=tp[0])  # type: ignore
+    dst_spec = PoolSpec(**base, shm=backend == "shm", device=dst_dev, tp=tp[1])  # type: ignore
     cfg = TransferConfig(backend=backend, transfer_timeout_s=120, waiting_timeout_s=120,
                          ipc_copy=args.ipc_copy)
     sender = SenderProcess(src_spec, cfg)
-    pool, shm = make_pool(dst_spec)
-    mgr = KVManager("decode", shm or pool, cfg, dst_spec.fingerprint())
+    mgr, pools, shms = make_manager("decode", dst_spec, cfg)
     rows: list[dict] = []
     rng = random.Random(0)
     room = rng.getrandbits(62)
@@ -177,7 +184,7 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm) 
                                          * 1e3)
                         for rm, r, dst in receivers:
                             good = (r.poll() == KVPoll.Success
-                                    and page_checksum(pool, dst) == res["checksums"][rm])
+                                    and kv_checksum(pools, dst) == res["checksums"][rm])
                             ok = ok and good
                         if w == 0:
                             continue
@@ -189,7 +196,8 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm) 
                     gbps = moved / elapsed / 1e9 if elapsed else 0.0
                     lat.sort()
                     rows.append({
-                        "backend": backend, "layout": layout, "tokens": tokens,
+                        "backend": backend, "tp": f"{tp[0]}->{tp[1]}", "layout": layout,
+                        "tokens": tokens,
                         "page_size": page_size, "concurrency": conc,
                         "bytes_per_request": nbytes, "descs_per_request": statistics.mean(descs),
                         "gbps": round(gbps, 3), "ceiling_gbps": round(ceiling, 3),
@@ -205,21 +213,32 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm) 
     finally:
         mgr.close()
         sender.close()
-        if shm is not None:
+        for shm in shms:
             shm.close()
     return rows
 
 
+def against_homogeneous(hetero: list[dict], homog: list[dict]) -> list[dict]:
+    """`vs_homog` on each heterogeneous row: its GB/s over the homogeneous row of the same
+    settings."""
+    key = ("backend", "layout", "tokens", "page_size", "concurrency")
+    base = {tuple(r[k] for k in key): r["gbps"] for r in homog}
+    for r in hetero:
+        g = base.get(tuple(r[k] for k in key))
+        r["vs_homog"] = round(r["gbps"] / g, 3) if g else None
+    return hetero
+
+
 def format_table(rows: list[dict]) -> str:
-    cols = [("backend", "backend"), ("layout", "layout"), ("tokens", "tokens"),
+    cols = [("backend", "backend"), ("tp", "tp"), ("layout", "layout"), ("tokens", "tokens"),
             ("page_size", "page"), ("concurrency", "conc"), ("descs_per_request", "desc/req"),
             ("gbps", "GB/s"), ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms"),
             ("first_ms", "first ms"), ("ceiling_gbps", "ceiling GB/s"), ("ratio", "ratio"),
-            ("checksum_ok", "check")]
+            ("vs_homog", "vs homog"), ("checksum_ok", "check")]
     table = [[h for _, h in cols]]
     for r in rows:
         table.append([f"{r[k]:.1f}" if k == "descs_per_request" else
-                      "-" if r[k] is None else str(r[k]) for k, _ in cols])
+                      "-" if r.get(k) is None else str(r[k]) for k, _ in cols])
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table)
 
@@ -231,19 +250,36 @@ def main(argv: list[str] | None = None) -> int:
         avail = [b for b in avail if b != "shm"]
     else:
         avail = [b for b in avail if b != "cuda_ipc"]
+    tp = (args.prefill_tp, args.decode_tp)
+    if min(tp) < 1:
+        print("kvbench: --prefill-tp / --decode-tp: must be at least 1", file=sys.stderr)
+        return 2
+    heads = args.kv_heads or MODEL_SHAPES[args.model_shape][1]
+    for n in tp:
+        if heads % n and n % heads:
+            print(f"kvbench: {n} tensor-parallel ranks cannot split {heads} KV heads (one must "
+                  "divide the other)", file=sys.stderr)
+            return 2
+    if tp != (1, 1):  # several pools on a side: only the backends that write lanes
+        avail = [b for b in avail if b in LANE_BACKENDS]
     backends = [b for b in args.backend.split(",") if b] or avail
     for b in backends:
         if b not in avail:
             print(f"kvbench: backend {b!r} is not available here ({avail})", file=sys.stderr)
             return 2
-    total = (len(backends) * len(args.page_size) * len(args.tokens)
+    homog = (tp[1], tp[1]) if tp[0] != tp[1] else None
+    total = ((1 + (homog is not None)) * len(backends) * len(args.page_size) * len(args.tokens)
              * len(args.layout.split(",")) * sum(max(1, args.requests // c)
                                                   for c in args.concurrency))
     rows: list[dict[str, Any]] = []
     with tqdm(total=total, desc="kvbench", unit="wave", file=sys.stderr) as bar:
         for backend in backends:
             for page_size in args.page_size:
-                rows += run_pair(args, backend, page_size, bar)
+                got = run_pair(args, backend, page_size, bar, tp)
+                if homog is not None:
+                    base = run_pair(args, backend, page_size, bar, homog)
+                    got = against_homogeneous(got, base) + base
+                rows += got
     if args.json:
         for r in rows:
             print(json.dumps(r))

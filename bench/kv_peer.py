@@ -17,11 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdserve.engine.tp.layout import kv_heads_of
 from pdserve.kvtransfer.aux import AuxData
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.fingerprint import Fingerprint
+from pdserve.kvtransfer.lanes import KVLayout
 from pdserve.kvtransfer.manager import KVManager
 from pdserve.kvtransfer.poll import KVPoll
+from pdserve.kvtransfer.rank_pools import PoolSet, ipc_handle
 from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
 
 
@@ -37,36 +40,79 @@ class PoolSpec:
     shm: bool = False  # allocate in shared memory (decode side of the shm backend)
     device: str = "cpu"
     model: str = "test-model"
+    tp: int = 1  # tensor-parallel ranks: one pool each, heads split as engine/tp/layout.py does
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The shape of the whole KV (every head); rank r's pool holds layout.ranks[r]."""
         return (self.num_pages, self.num_layers, 2, self.page_size, self.num_kv_heads,
                 self.head_dim)
 
     @property
+    def layout(self) -> KVLayout:
+        return KVLayout(self.num_kv_heads, tuple(kv_heads_of(self.num_kv_heads, self.tp, r)
+                                                 for r in range(self.tp)))
+
+    @property
     def page_bytes(self) -> int:
+        """Bytes of one page of every head (what a transfer moves per page, over the ranks)."""
         return (self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
                 * torch.empty((), dtype=getattr(torch, self.dtype)).element_size())
 
     def fingerprint(self) -> Fingerprint:
+        ranks = self.layout.ranks if self.tp > 1 else ()
         return Fingerprint(self.model, self.num_layers, self.num_kv_heads, self.head_dim,
-                           self.page_size, self.dtype)
+                           self.page_size, self.dtype, kv_ranks=ranks)
 
 
 def make_pool(spec: PoolSpec) -> tuple[torch.Tensor, ShmPoolBuffer | None]:
-    """The pool tensor for a spec (random from its seed, bit-reproducible) and its shm owner."""
+    """The pool tensor for a spec (random from its seed, bit-reproducible) and its shm owner;
+    with tensor-parallel ranks, rank 0's (make_pools has them all)."""
+    pools, shms = make_pools(spec)
+    return pools.tensors[0], shms[0] if shms else None
+
+
+def make_pools(spec: PoolSpec) -> tuple[PoolSet, list[ShmPoolBuffer]]:
+    """Every rank's pool (each holding its heads of the same random content, whatever the
+    TP size) and the shm owners."""
     dtype = getattr(torch, spec.dtype)
-    shm = ShmPoolBuffer(spec.shape, dtype) if spec.shm else None
-    pool = shm.tensor if shm is not None else torch.zeros(spec.shape, dtype=dtype,
-                                                          device=spec.device)
-    if shm is not None:
-        pool.zero_()  # touch every page once (a live pool is resident)
+    tensors, shms = [], []
+    for _, heads in spec.layout.ranks:
+        shape = (*spec.shape[:4], heads, spec.head_dim)
+        shm = ShmPoolBuffer(shape, dtype) if spec.shm else None
+        pool = shm.tensor if shm is not None else torch.zeros(shape, dtype=dtype,
+                                                              device=spec.device)
+        if shm is not None:
+            pool.zero_()  # touch every page once (a live pool is resident)
+            shms.append(shm)
+        tensors.append(pool)
     if spec.seed is not None:
         g = torch.Generator().manual_seed(spec.seed)
         # Fill page by page: no full-size temporary.
         for i in range(spec.num_pages):
-            pool[i].copy_(torch.randn(spec.shape[1:], generator=g).to(dtype))
-    return pool, shm
+            page = torch.randn(spec.shape[1:], generator=g).to(dtype)
+            for pool, (start, heads) in zip(tensors, spec.layout.ranks):
+                pool[i].copy_(page[..., start:start + heads, :])
+    if shms:
+        handles = tuple(b.name for b in shms)
+    elif spec.device.startswith("cuda"):
+        handles = tuple(ipc_handle(t) for t in tensors)
+    else:
+        handles = ("",) * spec.tp
+    return PoolSet(tuple(tensors), handles, spec.layout), shms
+
+
+def kv_checksum(pools: PoolSet, pages: list[int]) -> int:
+    """page_checksum of the pages' whole KV (every head, from the first rank holding it),
+    the same for any TP layout holding the same KV."""
+    if pools.layout.tp == 1:
+        return page_checksum(pools.tensors[0], pages)
+    idx = torch.as_tensor(pages, dtype=torch.int64)
+    whole = torch.empty((len(pages), *pools.tensors[0].shape[1:4], pools.layout.num_kv_heads,
+                         pools.tensors[0].shape[5]), dtype=pools.tensors[0].dtype)
+    for pool, (start, heads) in zip(pools.tensors, pools.layout.ranks):
+        whole[..., start:start + heads, :] = pool[idx.to(pool.device)].cpu()
+    return page_checksum(whole, list(range(len(pages))))
 
 
 def page_checksum(pool: torch.Tensor, pages: list[int]) -> int:
@@ -97,10 +143,17 @@ def wait_for(room: Any, target: KVPoll, timeout_s: float = 10.0) -> KVPoll:
     return room.poll()
 
 
+def make_manager(role: str, spec: PoolSpec, config: TransferConfig
+                 ) -> tuple[KVManager, PoolSet, list[ShmPoolBuffer]]:
+    """A KVManager over the spec's pools (every rank's, with tensor parallelism)."""
+    pools, shms = make_pools(spec)
+    mgr = KVManager(role, shms[0] if shms else pools.tensors[0], config,  # type: ignore[arg-type]
+                    spec.fingerprint(), pools=pools if spec.tp > 1 else None)
+    return mgr, pools, shms
+
+
 def _serve(conn: Connection, role: str, spec: PoolSpec, cfg: dict[str, Any]) -> None:
-    pool, shm = make_pool(spec)
-    mgr = KVManager(role, shm if shm is not None else pool, TransferConfig(**cfg),  # type: ignore
-                    spec.fingerprint())
+    mgr, pools, shms = make_manager(role, spec, TransferConfig(**cfg))
     rooms: dict[int, Any] = {}
     conn.send(("ok", mgr.bootstrap_addr if role == "prefill" else None))
     while True:
@@ -109,17 +162,17 @@ def _serve(conn: Connection, role: str, spec: PoolSpec, cfg: dict[str, Any]) -> 
             if op == "close":
                 mgr.close()
                 out: Any = mgr.registered_regions()
-                if shm is not None:
+                for shm in shms:
                     shm.close()
                 conn.send(("ok", out))
                 return
-            out = _op(mgr, rooms, pool, op, args)
+            out = _op(mgr, rooms, pools, op, args)
             conn.send(("ok", out))
         except Exception as e:  # noqa: BLE001 - reported to the parent
             conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def _op(mgr: KVManager, rooms: dict[int, Any], pool: torch.Tensor, op: str,
+def _op(mgr: KVManager, rooms: dict[int, Any], pools: PoolSet, op: str,
         args: tuple[Any, ...]) -> Any:
     if op == "create_sender":
         rooms[args[0]] = mgr.create_sender(args[0])
@@ -142,7 +195,7 @@ def _op(mgr: KVManager, rooms: dict[int, Any], pool: torch.Tensor, op: str,
         a = rooms[args[0]].aux
         return None if a is None else (a.first_token_id, a.first_logprob, a.cached_tokens)
     elif op == "checksum":
-        return page_checksum(pool, args[0])
+        return kv_checksum(pools, args[0])
     elif op == "registered":
         return mgr.registered_regions()
     else:

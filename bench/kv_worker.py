@@ -9,14 +9,15 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pdserve.bench.kv_peer import PoolSpec, make_pool, page_checksum
+from pdserve.bench.kv_peer import PoolSpec, kv_checksum, make_manager
 from pdserve.kvtransfer.aux import AuxData
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.manager import KVManager
 from pdserve.kvtransfer.poll import KVPoll
+from pdserve.kvtransfer.rank_pools import PoolSet
 
 
-def _run_wave(mgr: KVManager, pool: Any, plan: list[tuple[int, list[int]]],
+def _run_wave(mgr: KVManager, pools: PoolSet, plan: list[tuple[int, list[int]]],
               chunk_pages: int, timeout_s: float) -> dict[str, Any]:
     senders = [(room, mgr.create_sender(room), src) for room, src in plan]
     t0 = time.monotonic()
@@ -38,13 +39,12 @@ def _run_wave(mgr: KVManager, pool: Any, plan: list[tuple[int, list[int]]],
         time.sleep(0.002)  # the timing is decode's; a tighter loop only takes CPU from it
     failed = {room: s.failure_reason or str(s.poll()) for room, s, _ in senders
               if s.poll() != KVPoll.Success}
-    sums = {room: page_checksum(pool, src) for room, _, src in senders}
+    sums = {room: kv_checksum(pools, src) for room, _, src in senders}
     return {"starts": starts, "failed": failed, "checksums": sums}
 
 
 def serve(conn: Connection, spec: PoolSpec, cfg: dict[str, Any]) -> None:
-    pool, _ = make_pool(spec)
-    mgr = KVManager("prefill", pool, TransferConfig(**cfg), spec.fingerprint())
+    mgr, pools, _ = make_manager("prefill", spec, TransferConfig(**cfg))
     conn.send(mgr.bootstrap_addr)
     try:
         while True:
@@ -52,7 +52,7 @@ def serve(conn: Connection, spec: PoolSpec, cfg: dict[str, Any]) -> None:
             if msg is None:
                 break
             plan, chunk_pages, timeout_s = msg
-            conn.send(_run_wave(mgr, pool, plan, chunk_pages, timeout_s))
+            conn.send(_run_wave(mgr, pools, plan, chunk_pages, timeout_s))
     finally:
         mgr.close()
         conn.send(mgr.registered_regions())

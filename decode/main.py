@@ -5,53 +5,35 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable
-
-import torch
 
 from pdserve.decode.scheduler import DecodeScheduler
 from pdserve.decode.server import DecodeService, MixedService
 from pdserve.engine.engine import DECODE_WORKER_COLUMN_MAJOR, EngineConfig, build_engine_parts
 from pdserve.kvtransfer.config import add_transfer_args, transfer_config_from_args
-from pdserve.kvtransfer.fingerprint import Fingerprint
 from pdserve.kvtransfer.manager import KVManager
+from pdserve.kvtransfer.rank_pools import pool_share
 from pdserve.worker.main import WorkerParts, run
 from pdserve.worker.scheduler_thread import SchedulerThread
-
-
-def _shm_pool(cfg: EngineConfig):
-    """Same-host prefill workers write one-sided into a shared-memory pool (CPU pools)."""
-    from pdserve.engine.model_runner import num_kv_pages
-    from pdserve.kvtransfer.shm_pool import alloc_shm_pool
-
-    mc = cfg.model_config()
-    n = num_kv_pages(mc, cfg.cache, cfg.torch_dtype, torch.device(cfg.device))
-    return alloc_shm_pool(n, mc.num_layers, cfg.cache.page_size, mc.num_kv_heads, mc.head_dim,
-                          cfg.torch_dtype)
 
 
 def build_decode(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
     # Decode-only: its matmuls are all decode-sized.
     cfg = dataclasses.replace(cfg, column_major_weights=DECODE_WORKER_COLUMN_MAJOR)
-    use_shm = args.transfer_backend in ("auto", "shm") and not cfg.device.startswith("cuda")
-    shm = _shm_pool(cfg) if use_shm else None
-    closers: list[Callable[[], None]] = [shm.close] if shm is not None else []
+    # Host pools in shared memory: same-host prefill workers write them one-sided.
+    share = pool_share(cfg.device, cfg.tp_size, args.transfer_backend in ("auto", "shm"))
+    parts = build_engine_parts(cfg, share=share, with_tokenizer=False)
+    mc = parts.runner.model_config
     try:
-        parts = build_engine_parts(cfg, shm.tensor if shm is not None else None,
-                                   with_tokenizer=False)
-        mc = parts.runner.model_config
-        kv = KVManager("decode", shm if shm is not None else parts.memory.pool.buffer,
-                       transfer_config_from_args(args),
-                       Fingerprint.from_pool_buffer(mc.name, parts.memory.pool.buffer))
+        kv = KVManager.for_worker("decode", parts.memory.pool.buffer, mc.name, mc.num_kv_heads,
+                                  parts.pools, share, transfer_config_from_args(args))
     except BaseException:
-        for close in closers:
-            close()
+        parts.close()
         raise
     sched = DecodeScheduler(parts.runner, parts.memory, cfg.scheduler, kv_manager=kv)
     thread = SchedulerThread(sched, name="decode-scheduler")
     service = DecodeService(thread, mc, parts.memory, mc.name, args.transfer_backend,
                             transfer_backends=kv.offered_backends)
-    return WorkerParts(service, thread, [kv.close, *closers])
+    return WorkerParts(service, thread, [kv.close], parts)
 
 
 def build_mixed(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
@@ -59,7 +41,7 @@ def build_mixed(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
     mc = parts.runner.model_config
     sched = DecodeScheduler(parts.runner, parts.memory, cfg.scheduler)
     thread = SchedulerThread(sched, name="mixed-scheduler")
-    return WorkerParts(MixedService(thread, mc, parts.memory, mc.name), thread)
+    return WorkerParts(MixedService(thread, mc, parts.memory, mc.name), thread, engine=parts)
 
 
 def main(argv: list[str] | None = None) -> int:

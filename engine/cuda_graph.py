@@ -15,6 +15,10 @@ slower); whole graph steps over column-major weights at batch 64 were 1.03x fast
 (docs/performance.md). The choice is baked into each graph; eager passes keep the process-wide
 setting.
 
+Under tensor parallelism every rank captures the same buckets in the same order, with the
+model's all-reduces and its logits all-gather inside the graphs (NCCL work is captured like any
+kernel), and replays the bucket that rank 0 announced.
+
 Invariant: the logits a replay returns are a view of the bucket's static output and stay valid
 only until the next replay.
 """
@@ -70,7 +74,7 @@ class CudaGraphDecodeRunner:
         self.backend = backend
         self.is_flashinfer = isinstance(backend, FlashInferAttentionBackend)
         cfg = model.config
-        self.num_heads = cfg.num_heads
+        self.num_heads = model.shard.num_heads  # this rank's (all of them without TP)
         self.scale = cfg.head_dim**-0.5
         self.buckets = batch_size_buckets(max_batch_size)
         max_bs = self.buckets[-1]

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.kernels.device import to_device
+
 if TYPE_CHECKING:
     from pdserve.engine.attention.base import AttentionBackend
     from pdserve.engine.kv_pool import KVPool
@@ -57,3 +59,33 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass
+class HostBatch:
+    """A ForwardBatch's inputs on the host, before upload: every index tensor packed into one
+    int64 tensor (one upload; and what tensor-parallel ranks receive from rank 0 each step).
+
+    `data` is input_ids, positions, out_cache_loc [T each]; seq_lens, prefix_lens, extend_lens
+    [B each]; kv_indptr [B+1]; kv_indices [K]."""
+
+    mode: ForwardMode
+    batch_size: int
+    num_tokens: int
+    data: torch.Tensor
+
+    def sizes(self) -> list[int]:
+        t, b = self.num_tokens, self.batch_size
+        return [t, t, t, b, b, b, b + 1, self.data.numel() - 3 * t - 4 * b - 1]
+
+    def to_forward_batch(self, kv_pool: KVPool, attn_backend: AttentionBackend,
+                         device: torch.device) -> ForwardBatch:
+        sizes = self.sizes()
+        host = self.data.split(sizes)
+        (input_ids, positions, out_loc, seq_lens, prefix, ext, indptr,
+         kv_indices) = to_device(self.data, device).split(sizes)
+        return ForwardBatch(
+            mode=self.mode, input_ids=input_ids, positions=positions, out_cache_loc=out_loc,
+            seq_lens=seq_lens, prefix_lens=prefix, extend_lens=ext, kv_indptr=indptr,
+            kv_indices=kv_indices, kv_pool=kv_pool, attn_backend=attn_backend,
+            seq_lens_cpu=host[3].tolist(), extend_lens_cpu=host[5].tolist())

@@ -8,6 +8,7 @@ import sys
 
 from pdserve.engine.model_shapes import add_model_source_args
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tp.ranks import RankError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     return p
 
@@ -63,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(model=args.model, model_shape=args.model_shape, load_format=args.load_format,
                   device=args.device, dtype=args.dtype,
                   page_size=args.page_size, max_running=args.max_running,
-                  chunked_prefill_size=args.chunked_prefill_size)
-        outs = llm.generate(prompts, sp, chat=args.chat)
-    except (ValueError, OSError) as e:
+                  chunked_prefill_size=args.chunked_prefill_size, tp=args.tp)
+        try:
+            outs = llm.generate(prompts, sp, chat=args.chat)
+        finally:
+            llm.close()
+    except (ValueError, OSError, RankError) as e:
         print(f"pdserve generate: error: {e}", file=sys.stderr)
         return 2
     num_tokens = sum(len(o.token_ids) for o in outs)

@@ -3,6 +3,8 @@
 One page of all layers is one contiguous region, so a request's KV moves between workers as a
 few large descriptors (runs of consecutive pages). Attention reads per-layer strided views.
 Page 0 is never handed out by the allocator: padded slots in CUDA graphs write there.
+Under tensor parallelism each rank has a pool of its own KV heads, with the same number of
+pages: rank 0's allocator hands out page indices that mean the same page on every rank.
 """
 
 from __future__ import annotations
@@ -55,9 +57,12 @@ class KVPool:
                    model.head_dim, dtype, device)
 
     @staticmethod
-    def page_bytes_for(model: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+    def page_bytes_for(model: ModelConfig, page_size: int, dtype: torch.dtype,
+                       num_kv_heads: int | None = None) -> int:
+        """Bytes of one page (all layers) holding `num_kv_heads` (default: all of them)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return model.num_layers * 2 * page_size * model.num_kv_heads * model.head_dim * elem
+        heads = model.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return model.num_layers * 2 * page_size * heads * model.head_dim * elem
 
     @property
     def page_bytes(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stop import TextStream
 from pdserve.engine.warmup import warm_up
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,21 +64,26 @@ class LLM:
                  page_size: int = 16, num_pages: int | None = None, max_running: int = 64,
                  chunked_prefill_size: int = 2048, disable_radix_cache: bool = False,
                  attention_backend: str | None = None, max_context_len: int | None = None,
-                 cpu_kernels: bool = True, load_format: str = "auto",
+                 cpu_kernels: bool = True, tp: int = 1, load_format: str = "auto",
                  model_shape: str | None = None) -> None:
-        """`device` auto: CUDA when a GPU is there, else CPU. `load_format="dummy"`: random
-        weights for `model`'s config; `model_shape`: a named shape (engine/model_shapes.py)
-        with random weights and the embedded SmolLM2 tokenizer, instead of `model`."""
+        """`device` auto: CUDA when a GPU is there, else CPU. `tp`: tensor-parallel ranks
+        (processes started here, one device each; on CPU they share this process's torch
+        threads); `close()` (or `with LLM(...) as llm:`) stops them. `load_format="dummy"`:
+        random weights for `model`'s config; `model_shape`: a named shape
+        (engine/model_shapes.py) with random weights and the embedded SmolLM2 tokenizer, instead
+        of `model`."""
         cfg = EngineConfig(
             model=model, model_shape=model_shape, load_format=load_format, device=device,
             dtype=dtype, attention_backend=attention_backend,
-            disable_radix_cache=disable_radix_cache, cpu_kernels=cpu_kernels,
+            disable_radix_cache=disable_radix_cache, cpu_kernels=cpu_kernels, tp_size=tp,
             cache=CacheConfig(page_size=page_size, num_pages=num_pages,
                               max_context_len=max_context_len,
                               max_reqs=max(max_running + 8, 16)),
             scheduler=SchedulerConfig(max_running=max_running,
                                       chunked_prefill_size=chunked_prefill_size))
         parts = build_engine_parts(cfg)
+        self._parts = parts
+        parts.watch_ranks(lambda message: log.error("%s: generation stops", message))
         if cpu_kernels and parts.runner.device.type == "cpu" \
                 and cfg.torch_dtype == torch.float32:
             # Offline runs want throughput from the first batch: wait for the CPU decode
@@ -104,6 +112,16 @@ class LLM:
     def warm_up(self) -> dict[str, float]:
         """Run the paths of the first requests once (engine/warmup.py); {path: seconds}."""
         return warm_up(self.scheduler)
+
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks, if any (the LLM cannot generate afterwards)."""
+        self._parts.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, list):

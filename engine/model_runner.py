@@ -1,7 +1,9 @@
 """ModelRunner: a loaded model, its KV pool, an attention backend, and the sampler.
 
 It turns a ScheduleBatch into logits (one forward pass) and logits into tokens. It owns no
-scheduling state; the Scheduler decides what runs.
+scheduling state; the Scheduler decides what runs. Under tensor parallelism the runner of rank 0
+announces each pass to the other ranks (engine/tp/step.py) before running it; theirs run the
+same pass from the announcement (`run`), over their own shards and KV pools.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pdserve.engine.kv_pool import KVPool
 from pdserve.engine.req import Req
 from pdserve.engine.sampler import SampleOutput, Sampler, SamplingBatch
 from pdserve.engine.schedule_batch import ScheduleBatch
+from pdserve.engine.tp.group import TPGroup
+from pdserve.engine.tp.step import send_forward
 
 
 def _host_memory_bytes() -> int:
@@ -30,17 +34,19 @@ def _host_memory_bytes() -> int:
 
 
 def num_kv_pages(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
-                 device: torch.device) -> int:
-    """Pool size: `cache.num_pages`, else a fraction of free GPU memory (or of a host budget)."""
+                 device: torch.device, num_kv_heads: int | None = None, ranks: int = 1) -> int:
+    """Pool size: `cache.num_pages`, else a fraction of free GPU memory (or of a host budget).
+    Tensor-parallel ranks size their own pools (`num_kv_heads` each); on a host, the `ranks`
+    of a worker share its budget."""
     if cache.num_pages is not None:
         return cache.num_pages
-    page_bytes = KVPool.page_bytes_for(model, cache.page_size, dtype)
+    page_bytes = KVPool.page_bytes_for(model, cache.page_size, dtype, num_kv_heads)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = free * cache.mem_fraction
     else:
         # Host memory is shared with other workers on the machine: a quarter of it at most.
-        budget = _host_memory_bytes() * 0.25 * cache.mem_fraction
+        budget = _host_memory_bytes() * 0.25 * cache.mem_fraction / ranks
     max_ctx = cache.max_context_len or model.max_position_embeddings
     # Never more than enough for every request slot at full context.
     cap = cache.max_reqs * (-(-max_ctx // cache.page_size)) + 1
@@ -90,15 +96,18 @@ class RunnerSpec:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, pool: KVPool,
-                 attn_backend: AttentionBackend) -> None:
+                 attn_backend: AttentionBackend, tp: TPGroup | None = None) -> None:
         self.model = model
         self.model_config = model_config
         self.pool = pool
         self.attn_backend = attn_backend
         self.device = pool.device
+        self.tp = tp if tp is not None else TPGroup()
         self.sampler = Sampler()
         self.cuda_graph = None  # a CudaGraphDecodeRunner once enable_cuda_graph() captured
         self.cuda_graph_capture_s = 0.0
+        self.lost_rank: str | None = None  # set when a tensor-parallel rank died
+        self.pool_handle = ""  # how other processes of the worker map the pool (PoolShare)
 
     def enable_cuda_graph(self, max_batch_size: int = 256) -> None:
         """Captures decode CUDA graphs for batch sizes up to `max_batch_size` (CUDA only;
@@ -116,9 +125,24 @@ class ModelRunner:
                 fix_inputs: Callable[[ForwardBatch], None] | None = None) -> torch.Tensor:
         """Logits [B, vocab] of the last new token of each request. `fix_inputs` may patch the
         built batch on the device first (overlap: input ids still on the device)."""
-        fb = batch.build(memory.req_to_token.table, self.pool, self.attn_backend, self.device)
+        host = batch.host_batch(memory.req_to_token.table)
+        patched = fix_inputs is not None
+        if self.tp.size > 1:
+            if self.lost_rank is not None:
+                raise RuntimeError(self.lost_rank)
+            send_forward(self.tp, host, ids_on_device=patched)
+        fb = host.to_forward_batch(self.pool, self.attn_backend, self.device)
         if fix_inputs is not None:
             fix_inputs(fb)
+        return self.run(fb, ids_on_device=patched)
+
+    @torch.inference_mode()
+    def run(self, fb: ForwardBatch, ids_on_device: bool = False) -> torch.Tensor:
+        """The forward pass of `fb` on this rank (every rank of a tensor-parallel group runs
+        it, in the same order). `ids_on_device`: rank 0 patched the input ids on its device;
+        they are broadcast from there."""
+        if ids_on_device and self.tp.size > 1:
+            self.tp.broadcast_(fb.input_ids)
         if self.cuda_graph is not None and self.cuda_graph.can_run(fb):
             # A view of the graph's static output: consumed (sampled) before the next step.
             return self.cuda_graph.replay(fb)

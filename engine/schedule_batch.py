@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
+from pdserve.engine.forward_batch import ForwardBatch, ForwardMode, HostBatch
 from pdserve.engine.req import Req
-from pdserve.kernels.device import to_device
 
 
 @dataclass
@@ -36,6 +35,10 @@ class ScheduleBatch:
 
         Slots for the new tokens must already be written to the table rows.
         """
+        return self.host_batch(req_to_token).to_forward_batch(kv_pool, attn_backend, device)
+
+    def host_batch(self, req_to_token: torch.Tensor) -> HostBatch:
+        """The forward inputs on the host, packed (see HostBatch)."""
         if self.mode == ForwardMode.EXTEND:
             assert self.entries is not None
             starts = [e.start for e in self.entries]
@@ -66,23 +69,7 @@ class ScheduleBatch:
             out_loc = block[torch.arange(len(rows)), positions]
         indptr = torch.zeros(len(rows) + 1, dtype=torch.int64)
         torch.cumsum(seq_t, 0, out=indptr[1:])
-        # Every index tensor in one pinned host buffer and one upload, then split on the device.
+        # Every index tensor in one host buffer: one upload, then split on the device.
         parts = [torch.tensor(ids, dtype=torch.int64), positions, out_loc, seq_t, starts_t,
                  lens_t, indptr, kv_indices]
-        (input_ids, positions_d, out_loc_d, seq_lens_d, prefix_d, ext_d, indptr_d,
-         kv_indices_d) = to_device(torch.cat(parts), device).split([t.numel() for t in parts])
-        return ForwardBatch(
-            mode=self.mode,
-            input_ids=input_ids,
-            positions=positions_d,
-            out_cache_loc=out_loc_d,
-            seq_lens=seq_lens_d,
-            prefix_lens=prefix_d,
-            extend_lens=ext_d,
-            kv_indptr=indptr_d,
-            kv_indices=kv_indices_d,
-            kv_pool=kv_pool,
-            attn_backend=attn_backend,
-            seq_lens_cpu=seq_lens,
-            extend_lens_cpu=lens,
-        )
+        return HostBatch(self.mode, len(rows), len(ids), torch.cat(parts))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import triton
@@ -104,10 +105,23 @@ def copy_pages(src_pool: torch.Tensor, dst_pool: torch.Tensor,
     """dst_pool[dst_pages[i]] = src_pool[src_pages[i]] for each i, launched on src_pool's
     device (on its current stream). Page indices are not bounds-checked here: callers pass
     validated pages (out-of-range indices would read or write outside the pools)."""
-    copier = PageCopier(src_pool, dst_pool)
-    src_idx, dst_idx = _index(src_pages, copier.device), _index(dst_pages, copier.device)
+    launch(PageCopier(src_pool, dst_pool), src_pages, dst_pages)
+
+
+class Copier(Protocol):
+    """Copies pages given as int64 index tensors on `device` (PageCopier, HeadCopier)."""
+
+    device: torch.device
+
+    def __call__(self, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None: ...
+
+
+def launch(copier: Copier, src_pages: Sequence[int] | torch.Tensor,
+           dst_pages: Sequence[int] | torch.Tensor) -> None:
+    """Runs `copier` on its device (current stream), the page lists moved there first."""
+    device = copier.device
+    src_idx, dst_idx = _index(src_pages, device), _index(dst_pages, device)
     if src_idx.shape != dst_idx.shape:
         raise ValueError(f"dst_pages: {dst_idx.numel()} pages for {src_idx.numel()} source pages")
-    on_gpu = copier.device.type == "cuda"
-    with torch.cuda.device(copier.device) if on_gpu else contextlib.nullcontext():
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         copier(src_idx, dst_idx)

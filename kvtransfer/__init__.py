@@ -3,7 +3,8 @@
 Worker-facing API (one KVManager per worker; rooms are 63-bit bootstrap ids)::
 
     mgr = KVManager(role="prefill" | "decode", pool_buffer, config: TransferConfig,
-                    fingerprint: Fingerprint | None = None)
+                    fingerprint: Fingerprint | None = None, pools: PoolSet | None = None)
+    KVManager.for_worker(role, pool, model, num_kv_heads, rank_pools, share, config)
     mgr.bootstrap_addr                      # prefill: "host:port" of its ZMQ bootstrap endpoint
     s = mgr.create_sender(room)             # prefill: Bootstrapping until decode registers
     s.num_dst_pages                         # pages decode registered
@@ -14,6 +15,11 @@ Worker-facing API (one KVManager per worker; rooms are 63-bit bootstrap ids)::
     s.abort(reason) / r.abort(reason)       # the peer is told; both release
     s.failure_reason / r.failure_reason ; r.aux -> AuxData (after Success)
     mgr.close()                             # fails live rooms, stops threads, deregisters
+
+With tensor parallelism (`pools`, rank_pools.py) a worker's KV spans one pool per rank, each
+holding some KV heads; its rank 0 maps them all and runs the transfers: each decode rank gets
+its heads of every page from the prefill ranks that hold them (lanes.py; layouts in the
+fingerprint, mapped at the handshake, refused naming both when a backend cannot map them).
 
 `pool_buffer` is the page-major pool tensor `[num_pages, num_layers, 2, page_size, kv_heads,
 head_dim]` (page 0 reserved), or on decode a ShmPoolBuffer from `alloc_shm_pool(...)` so that a

@@ -24,17 +24,19 @@ import torch
 from pdserve.kvtransfer.backends import make_engine
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.engine import ReceiveHandler, TransferEngine
+from pdserve.kvtransfer.rank_pools import PoolSet
 from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
 
 log = logging.getLogger("pdserve.kvtransfer")
 
 
 class ReceivingEngines:
-    def __init__(self, offers: list[str], eager: list[str], pool: torch.Tensor,
+    def __init__(self, offers: list[str], eager: list[str], pools: PoolSet,
                  aux: torch.Tensor, config: TransferConfig, handler: ReceiveHandler,
                  shm: ShmPoolBuffer | None) -> None:
         self._offers = list(offers)
-        self._pool, self._aux, self._config = pool, aux, config
+        self._pools, self._pool = pools, pools.tensors[0]
+        self._aux, self._config = aux, config
         self._handler, self._shm = handler, shm
         self._lock = threading.Lock()  # guards _engines, _info, _starting, _failed, _closed
         self._engines: dict[str, TransferEngine] = {}
@@ -54,7 +56,7 @@ class ReceivingEngines:
         cfg = self._config
         eng = make_engine(name, host=cfg.bootstrap_host, shm_pool=self._shm,
                           send_timeout_s=cfg.transfer_timeout_s, ipc_copy=cfg.ipc_copy,
-                          stage_bytes=cfg.stage_bytes)
+                          stage_bytes=cfg.stage_bytes, lanes=self._pools)
         try:
             eng.register("kv", self._pool)
             eng.register("aux", self._aux)

@@ -34,6 +34,7 @@ from pdserve.kvtransfer.engine import ChunkHeader
 from pdserve.kvtransfer.fingerprint import Fingerprint
 from pdserve.kvtransfer.hosts import host_id
 from pdserve.kvtransfer.poll import KVPoll
+from pdserve.kvtransfer.rank_pools import PoolSet
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
 from pdserve.kvtransfer.trace import stamp
@@ -52,9 +53,11 @@ class _PrefillPeer:
 
 
 class DecodeSide:
-    def __init__(self, pool: torch.Tensor, config: TransferConfig, fingerprint: Fingerprint,
+    def __init__(self, pools: PoolSet, config: TransferConfig, fingerprint: Fingerprint,
                  offers: list[str], eager: list[str], shm: ShmPoolBuffer | None) -> None:
+        pool = pools.tensors[0]
         self.pool = pool
+        self.lanes = pools.tensors  # every tensor-parallel rank's pool (lanes.py)
         self.num_pool_pages = int(pool.shape[0])
         self.page_bytes = pool[0].numel() * pool.element_size()
         self.config = config
@@ -66,7 +69,7 @@ class DecodeSide:
         self._aborting: dict[int, tuple[KVReceiver, str, float]] = {}  # control loop only
         self._peers: dict[str, _PrefillPeer] = {}  # control loop only
         # Engines may place chunks as soon as they start: the room tables exist first.
-        self.engines = ReceivingEngines(offers, eager, pool, self.aux_slots.buffer, config,
+        self.engines = ReceivingEngines(offers, eager, pools, self.aux_slots.buffer, config,
                                         self, shm)
         self.loop = C.ControlLoop(self._tick, min(0.05, config.heartbeat_interval_s / 4),
                                   "kv-decode-control")
@@ -150,13 +153,14 @@ class DecodeSide:
         with r.lock:
             if r.state.done or r.room in self._aborting:
                 return False
-            err = r.check_chunk(header, nbytes, self.page_bytes)
+            err = r.check_chunk(header, nbytes, self.page_bytes, len(self.lanes))
             if err is None:
                 r.state.advance(KVPoll.Transferring)
                 # One-sided chunks (nbytes None) are already in place: building the views
-                # would cost ~10 us per descriptor for nothing.
+                # would cost ~10 us per descriptor for nothing. Payloads come rank by rank.
                 write([] if nbytes is None else
-                      [self.pool[d:d + n] for _, d, n, _ in header.descs.tolist()])
+                      [pool[d:d + n] for pool in self.lanes
+                       for _, d, n, _ in header.descs.tolist()])
                 complete = r.mark_arrived(header)
         if err is not None:
             r.abort(f"rejected chunk {header.seq}: {err}")

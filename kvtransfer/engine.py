@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from pdserve.kvtransfer.chunk_header import ChunkHeader
+from pdserve.kvtransfer.lanes import Part
 
 __all__ = ["ChunkHeader", "ReceiveHandler", "TransferEngine"]
 
@@ -38,6 +39,9 @@ class TransferEngine(ABC):
 
     name: str = "abstract"
     one_sided: bool = False
+    # write_lanes takes parts that name a range of heads (it copies them itself); False: whole
+    # pages only (heads are gathered into staging first).
+    head_parts: bool = False
 
     def __init__(self) -> None:
         self._regions: dict[str, torch.Tensor] = {}
@@ -76,6 +80,13 @@ class TransferEngine(ABC):
     def write(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> None:
         """Move the header's descriptors from the local "kv" region into the peer's pool.
         Blocks until the local pages may be reused; raises on failure."""
+
+    def write_lanes(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader,
+                    parts: list[Part]) -> None:
+        """A chunk for a decode worker of several tensor-parallel ranks (or of a KV layout
+        other than ours): every part's whole pages into the pool of its lane's decode rank
+        (backends.LANE_BACKENDS). As write(): blocks until the parts' sources may be reused."""
+        raise NotImplementedError(f"{self.name}: no tensor-parallel lanes")
 
     def completion(self) -> bytes:
         """One-sided engines whose write() returns before the bytes land: what the receiver

@@ -14,6 +14,7 @@ from pdserve.kvtransfer.decode_side import DecodeSide
 from pdserve.kvtransfer.fingerprint import Fingerprint
 from pdserve.kvtransfer.hosts import SAME_HOST_BACKENDS, offers_for
 from pdserve.kvtransfer.prefill_side import PrefillSide
+from pdserve.kvtransfer.rank_pools import IpcShare, PoolSet, RankPoolsLike, ShmShare, pool_set
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
 from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
@@ -49,7 +50,8 @@ class KVManager:
 
     def __init__(self, role: Literal["prefill", "decode"],
                  pool_buffer: torch.Tensor | ShmPoolBuffer, config: TransferConfig,
-                 fingerprint: Fingerprint | None = None, model: str = "unknown") -> None:
+                 fingerprint: Fingerprint | None = None, model: str = "unknown",
+                 pools: PoolSet | None = None) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role: must be 'prefill' or 'decode', got {role!r}")
         shm = pool_buffer if isinstance(pool_buffer, ShmPoolBuffer) else None
@@ -57,21 +59,42 @@ class KVManager:
         if pool.dim() != 6 or pool.shape[2] != 2 or not pool.is_contiguous():
             raise ValueError(f"pool_buffer: expected a contiguous page-major tensor, got "
                              f"{tuple(pool.shape)}")
+        if pools is not None and pools.tensors[0].data_ptr() != pool.data_ptr():
+            raise ValueError("pools: rank 0's pool must be pool_buffer")
         self.role = role
         self.config = config
-        self.fingerprint = fingerprint or Fingerprint.from_pool_buffer(model, pool)
-        own = Fingerprint.from_pool_buffer(self.fingerprint.model, pool)
+        layout = pools.layout if pools is not None else None
+        self.fingerprint = fingerprint or Fingerprint.from_pool_buffer(model, pool, layout)
+        own = Fingerprint.from_pool_buffer(self.fingerprint.model, pool, layout)
         if (msg := own.mismatch(self.fingerprint, "pool_buffer", "fingerprint")) is not None:
             raise ValueError(msg)
+        if own.kv_ranks != self.fingerprint.kv_ranks:
+            raise ValueError(f"fingerprint: KV layout {self.fingerprint.kv_layout.describe()}, "
+                             f"the pools {own.kv_layout.describe()}")
         _check_installed(config, pool)
+        # Every rank's pool (one, without tensor parallelism): the lanes of a transfer.
+        lanes = pools or PoolSet((pool,), (shm.name if shm is not None else "",),
+                                 own.kv_layout)
         self._prefill: PrefillSide | None = None
         self._decode: DecodeSide | None = None
         if role == "prefill":
-            self._prefill = PrefillSide(pool, config, self.fingerprint)
+            self._prefill = PrefillSide(lanes, config, self.fingerprint)
         else:
             offers, eager = _decode_engines(config, pool, shm is not None)
-            self._decode = DecodeSide(pool, config, self.fingerprint, offers, eager, shm)
+            self._decode = DecodeSide(lanes, config, self.fingerprint, offers, eager, shm)
         self._closed = False
+
+    @classmethod
+    def for_worker(cls, role: Literal["prefill", "decode"], pool: torch.Tensor, model: str,
+                   num_kv_heads: int, ranks: RankPoolsLike | None,
+                   share: ShmShare | IpcShare | None, config: TransferConfig) -> KVManager:
+        """A worker's manager over its pools: `pool` (rank 0's; in the shared-memory segment
+        `share` made, if it did) and, with tensor parallelism, every rank's pool as rank 0
+        maps them (`ranks`)."""
+        pools = pool_set(ranks, num_kv_heads)
+        own = share.own if isinstance(share, ShmShare) else None
+        fingerprint = Fingerprint.from_pool_buffer(model, pool, pools.layout if pools else None)
+        return cls(role, own or pool, config, fingerprint, pools=pools)
 
     @property
     def offered_backends(self) -> list[str]:

@@ -22,16 +22,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 import zmq
 
 from pdserve.kvtransfer import control as C
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.engine import ChunkHeader
 from pdserve.kvtransfer.fingerprint import Fingerprint
+from pdserve.kvtransfer.lanes import Lane
 from pdserve.kvtransfer.poll import KVPoll
 from pdserve.kvtransfer.prefill_handshake import Handshakes
 from pdserve.kvtransfer.prefill_transfers import TransferThread
+from pdserve.kvtransfer.rank_pools import PoolSet
 from pdserve.kvtransfer.sender import KVSender
 
 log = logging.getLogger("pdserve.kvtransfer")
@@ -43,12 +44,14 @@ class _DecodePeer:
     backend: str
     info: dict[str, Any]
     last_seen: float
+    lanes: tuple[Lane, ...]  # what each of its tensor-parallel ranks receives from ours
     rooms: set[int] = field(default_factory=set)
 
 
 class PrefillSide:
-    def __init__(self, pool: torch.Tensor, config: TransferConfig,
+    def __init__(self, pools: PoolSet, config: TransferConfig,
                  fingerprint: Fingerprint) -> None:
+        pool = pools.tensors[0]
         self.pool = pool
         self.num_pool_pages = int(pool.shape[0])
         self.page_bytes = pool[0].numel() * pool.element_size()
@@ -74,7 +77,7 @@ class PrefillSide:
             port = self._router.bind_to_random_port(f"tcp://{host}")
         self.bootstrap_addr = f"{host}:{port}"
         self.loop.add_socket(self._router, self._on_message)
-        self.xfer = TransferThread(pool, config, self._notify_via_control)
+        self.xfer = TransferThread(pools, config, self._notify_via_control)
         self.handshakes = Handshakes(fingerprint, config, pool.is_cuda, self.xfer, self.loop,
                                      self._send, self._accept)
         self.loop.start()
@@ -149,7 +152,7 @@ class PrefillSide:
             self._release(sender.room)
             return
         sender.peer, sender.dst_pages, sender.aux_slot = ident, dst_pages, slot
-        sender.backend, sender.peer_info = peer.backend, peer.info
+        sender.backend, sender.peer_info, sender.lanes = peer.backend, peer.info, peer.lanes
         peer.rooms.add(sender.room)
         sender.state.advance(KVPoll.WaitingForInput)
 
@@ -208,8 +211,9 @@ class PrefillSide:
         elif kind == C.BYE:
             self._drop_peer(peer, "decode worker closed")
 
-    def _accept(self, ident: bytes, backend: str, info: dict[str, Any]) -> None:
-        self._peers[ident] = _DecodePeer(ident, backend, info, time.monotonic())
+    def _accept(self, ident: bytes, backend: str, info: dict[str, Any],
+                lanes: tuple[Lane, ...]) -> None:
+        self._peers[ident] = _DecodePeer(ident, backend, info, time.monotonic(), lanes)
 
     def _on_abort(self, ident: bytes, room: int, reason: str, want_ack: bool) -> None:
         with self._lock:

@@ -3,7 +3,9 @@ a room's chunk writes, the connection to a new decode peer (set up at handshake,
 peer's first room), and forgetting a dead peer's connection.
 
 Engines are created on first use, here, under `_lock`; a job runs with `_lock` held, on the
-thread or inline on the caller's thread (INLINE_BACKENDS).
+thread or inline on the caller's thread (INLINE_BACKENDS). A chunk for a decode worker whose KV
+layout is not this worker's (tensor parallelism) goes out as one part per decode rank
+(lanes.py), gathered here when a rank's heads are strided in our pools.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from pdserve.kvtransfer.backends import INLINE_BACKENDS, make_engine
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.engine import ChunkHeader, TransferEngine
+from pdserve.kvtransfer.lanes import Lane, PartBuilder, identity
+from pdserve.kvtransfer.rank_pools import PoolSet
 from pdserve.kvtransfer.trace import stamp
 
 if TYPE_CHECKING:
@@ -36,12 +38,14 @@ def _describe(e: BaseException | None) -> str:
 
 
 class TransferThread:
-    def __init__(self, pool: torch.Tensor, config: TransferConfig,
+    def __init__(self, pools: PoolSet, config: TransferConfig,
                  notify_via_control: Callable[[bytes, tuple[bytes, bytes]], None]) -> None:
-        self.pool = pool
+        self.pools = pools
+        self.pool = pools.tensors[0]
         self.config = config
         self._notify_via_control = notify_via_control
         self._engines: dict[str, TransferEngine] = {}  # under _lock
+        self._builders: dict[bytes, PartBuilder] = {}  # per peer with lanes, under _lock
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="kv-prefill-transfer",
@@ -94,6 +98,7 @@ class TransferThread:
                 break
             if isinstance(job, bytes):
                 with self._lock:
+                    self._builders.pop(job, None)
                     for eng in self._engines.values():
                         eng.drop_peer(job.hex())
             elif len(job) == 4:
@@ -104,6 +109,13 @@ class TransferThread:
             for eng in self._engines.values():
                 eng.close()
             self._engines.clear()
+
+    def _builder(self, ident: bytes, lanes: tuple[Lane, ...]) -> PartBuilder:
+        builder = self._builders.get(ident)
+        if builder is None or builder.lanes != lanes:
+            builder = PartBuilder(list(self.pools.tensors), lanes)
+            self._builders[ident] = builder
+        return builder
 
     def _connect(self, ident: bytes, backend: str, info: dict[str, Any],
                  done: Callable[[str | None], None]) -> None:
@@ -130,7 +142,12 @@ class TransferThread:
                 with sender.write_lock:
                     if sender.state.done:
                         return
-                    eng.write(ident.hex(), sender.peer_info, header)
+                    if identity(sender.lanes):
+                        eng.write(ident.hex(), sender.peer_info, header)
+                    else:
+                        parts = self._builder(ident, sender.lanes).parts(
+                            header.descs, staged=not eng.head_parts)
+                        eng.write_lanes(ident.hex(), sender.peer_info, header, parts)
                 stamp("launched", sender.room)
                 # One-sided: the pages are written; tell decode straight from this thread
                 # when the engine can, else over the control channel.

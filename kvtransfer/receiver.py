@@ -85,15 +85,17 @@ class KVReceiver:
 
     # -- manager-facing -------------------------------------------------------------------
     def check_chunk(self, header: ChunkHeader, nbytes: list[int] | None,
-                    page_bytes: int) -> str | None:
-        """None if the chunk writes only this room's registered pages with matching sizes."""
+                    page_bytes: int, lanes: int = 1) -> str | None:
+        """None if the chunk writes only this room's registered pages with matching sizes
+        (payloads: the descriptors' pages for each of the `lanes` tensor-parallel ranks)."""
         err = validate_dst(header.descs, self.dst_pages, self._side.num_pool_pages)
         if err is not None:
             return err
         if nbytes is not None:
-            if len(nbytes) != len(header.descs):
-                return f"{len(nbytes)} payloads for {len(header.descs)} descriptors"
-            for num, n in zip(header.descs[:, NUM].tolist(), nbytes):
+            if len(nbytes) != lanes * len(header.descs):
+                return (f"{len(nbytes)} payloads for {len(header.descs)} descriptors x "
+                        f"{lanes} ranks")
+            for num, n in zip(header.descs[:, NUM].tolist() * lanes, nbytes):
                 if n != num * page_bytes:
                     return f"size {n} bytes != {num} pages x {page_bytes} bytes"
         if header.last and header.aux is None:

@@ -16,6 +16,7 @@ import numpy as np
 from pdserve.kvtransfer.aux import AuxData
 from pdserve.kvtransfer.descriptors import as_pages, merge_runs
 from pdserve.kvtransfer.engine import ChunkHeader
+from pdserve.kvtransfer.lanes import Lane
 from pdserve.kvtransfer.poll import KVPoll, RoomState
 from pdserve.kvtransfer.trace import stamp
 
@@ -36,6 +37,7 @@ class KVSender:
         self.last_sent = False
         self.backend = ""  # chosen at the peer's handshake
         self.peer_info: dict[str, Any] = {}
+        self.lanes: tuple[Lane, ...] = ()  # what each decode rank receives (from the handshake)
         # Held while pages are written one-sided and while failing: once Failed, no write.
         self.write_lock = threading.RLock()
 

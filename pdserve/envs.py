@@ -117,6 +117,7 @@ DEPLOY_VARIABLES: dict[str, str] = {
     "PDSERVE_ROUTER_ADDR": "workers' `--router`: the router Service's gRPC address (ConfigMap)",
     "PDSERVE_TRANSFER_BACKEND": "workers' `--transfer-backend` (ConfigMap)",
     "PDSERVE_LOG_LEVEL": "`--log-level` of every pod (ConfigMap)",
+    "PDSERVE_TP": "a worker pod's `--tp`, equal to its GPUs (container env; overlays/tp)",
     "PDSERVE_API_KEY": "the router's `--api-key` (Secret)",
     "PDSERVE_REGISTRATION_SECRET": "`--registration-secret` of every pod (Secret)",
 }

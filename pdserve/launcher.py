@@ -39,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto",
                    help="auto (cuda when a GPU is there, else cpu), cpu or cuda (GPUs assigned "
                         "round-robin)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per worker (each worker gets that many GPUs)")
+    for role in ("prefill", "decode", "mixed"):
+        p.add_argument(f"--{role}-tp", type=int, default=None,
+                       help=f"tensor-parallel ranks per {role} worker (default: --tp)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the router (0 = free)")
     p.add_argument("--grpc-port", type=int, default=0)
@@ -142,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     if (args.prefill == 0) != (args.decode == 0):
         print("pdserve up: error: --prefill and --decode go together", file=sys.stderr)
         return 2
+    tps = {role: getattr(args, f"{role}_tp") or args.tp for role in ("prefill", "decode", "mixed")}
+    if min(tps.values()) < 1:
+        print("pdserve up: error: --tp: must be at least 1", file=sys.stderr)
+        return 2
     try:
         check_share("prefill_sm_share", args.prefill_sm_share)
         if args.decode_sm_share is None:
@@ -189,18 +198,26 @@ def main(argv: list[str] | None = None) -> int:
         router.wait_ready(deadline, stop)
         roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["mixed"] * args.mixed
         gpus = _gpu_count() if args.device.startswith("cuda") else 0
+        if gpus and max(tps[r] for r in roles) > gpus:
+            raise RuntimeError(f"--tp: {max(tps[r] for r in roles)} ranks per worker, "
+                               f"{gpus} GPUs visible")
         # CPU workers share the cores: oversubscribed torch threads slow every matmul badly.
         threads = [] if gpus else ["--threads", str(max(1, (os.cpu_count() or 1) // len(roles)))]
+        first_gpu = 0
         workers = []
         for i, role in enumerate(roles):
             wenv = dict(env)
-            if gpus:
-                wenv["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+            tp = tps[role]
+            if gpus:  # a worker's ranks take consecutive GPUs (one each: round-robin)
+                wenv["CUDA_VISIBLE_DEVICES"] = ",".join(
+                    str((first_gpu + r) % gpus) for r in range(tp))
+                first_gpu += tp
             share = spatial.worker_args(role) if spatial is not None else []
             workers.append(Child.spawn(
                 f"{role}-{i}", "worker",
                 [role, *args.source, "--device", args.device, "--host", args.host,
-                 "--router", router.grpc, *threads, *share, *args.worker_arg], wenv, lifeline))
+                 "--router", router.grpc, "--tp", str(tp), *threads, *share, *args.worker_arg],
+                wenv, lifeline))
             procs.append(workers[-1])
         for proc in workers:
             proc.wait_ready(deadline, stop)

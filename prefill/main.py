@@ -6,8 +6,8 @@ import argparse
 
 from pdserve.engine.engine import EngineConfig, build_engine_parts
 from pdserve.kvtransfer.config import add_transfer_args, transfer_config_from_args
-from pdserve.kvtransfer.fingerprint import Fingerprint
 from pdserve.kvtransfer.manager import KVManager
+from pdserve.kvtransfer.rank_pools import pool_share
 from pdserve.prefill.scheduler import PrefillScheduler
 from pdserve.prefill.server import PrefillService
 from pdserve.worker.main import WorkerParts, run
@@ -15,16 +15,22 @@ from pdserve.worker.scheduler_thread import SchedulerThread
 
 
 def build(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
-    parts = build_engine_parts(cfg, with_tokenizer=False)
+    # Tensor parallelism: every rank's pool where rank 0, which sends the KV, maps it.
+    share = pool_share(cfg.device, cfg.tp_size, shm=False)
+    parts = build_engine_parts(cfg, share=share, with_tokenizer=False)
     mc = parts.runner.model_config
-    kv = KVManager("prefill", parts.memory.pool.buffer, transfer_config_from_args(args),
-                   Fingerprint.from_pool_buffer(mc.name, parts.memory.pool.buffer))
+    try:
+        kv = KVManager.for_worker("prefill", parts.memory.pool.buffer, mc.name, mc.num_kv_heads,
+                                  parts.pools, share, transfer_config_from_args(args))
+    except BaseException:
+        parts.close()
+        raise
     sched = PrefillScheduler(parts.runner, parts.memory, cfg.scheduler, kv_manager=kv)
     thread = SchedulerThread(sched, name="prefill-scheduler")
     service = PrefillService(thread, mc, parts.memory, mc.name, args.transfer_backend,
                              bootstrap_addr=kv.bootstrap_addr,
                              transfer_backends=kv.offered_backends)
-    return WorkerParts(service, thread, [kv.close])
+    return WorkerParts(service, thread, [kv.close], parts)
 
 
 def main(argv: list[str] | None = None) -> int:

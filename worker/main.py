@@ -2,7 +2,8 @@
 
 A role (prefill/main.py, decode/main.py) adds its own flags and supplies `build`, which makes
 its engine, scheduler thread and servicer; `run` does the rest. The process prints one line
-`worker ready role=R grpc=HOST:PORT bootstrap=HOST:PORT` once it serves. SIGTERM, SIGINT and
+`worker ready role=R grpc=HOST:PORT bootstrap=HOST:PORT ... tp=N pids=P0,P1,..` once it
+serves (with --tp N, once all N ranks are; rank 0 is this process). SIGTERM, SIGINT and
 SIGHUP drain: new requests are refused, in-flight ones finish (up to --drain-timeout), the
 worker deregisters from its router and exits 0. A second signal during the drain stops at once:
 in-flight requests are aborted (their RPCs cancelled, their KV pages and shared memory released
@@ -21,10 +22,12 @@ from dataclasses import dataclass, field
 from grpc_health.v1 import health_pb2
 
 from pdserve.engine.config import CacheConfig, SchedulerConfig
-from pdserve.engine.engine import EngineConfig
+from pdserve.engine.engine import EngineConfig, EngineParts
 from pdserve.engine.model_shapes import add_model_source_args
+from pdserve.engine.tp.ranks import RankError
 from pdserve.engine.warmup import warm_up
 from pdserve.proto.rpc import run_event_loop
+from pdserve.worker.ranks import EXIT_RANK_LOST, exit_on_rank_loss, rank_pids
 from pdserve.worker.router_link import RouterLink
 from pdserve.worker.scheduler_thread import SchedulerThread
 from pdserve.worker.server import install_signal_handlers, set_health, start_grpc_server
@@ -36,12 +39,13 @@ log = logging.getLogger("pdserve.worker")
 
 @dataclass
 class WorkerParts:
-    """What a role's `build` returns: the servicer, its scheduler thread, and what to close
-    (in order) once the worker stopped."""
+    """What a role's `build` returns: the servicer, its scheduler thread, what to close (in
+    order) once the worker stopped, and its engine (whose tensor-parallel ranks stop last)."""
 
     service: WorkerServiceBase
     thread: SchedulerThread
     closers: list[Callable[[], None]] = field(default_factory=list)
+    engine: EngineParts | None = None
 
 
 Build = Callable[[argparse.Namespace, EngineConfig], WorkerParts]
@@ -56,6 +60,9 @@ def parser(role: str, add_role_args: Callable[[argparse.ArgumentParser], None] |
     p.add_argument("--device", default=eng.device,
                    help="auto (cuda when a GPU is there, else cpu), cpu or cuda[:N]")
     p.add_argument("--dtype", default=eng.dtype)
+    p.add_argument("--tp", type=int, default=eng.tp_size,
+                   help="tensor-parallel ranks: processes of this worker, one GPU each from "
+                        "--device on (on CPU they share the worker's threads)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 = a free one)")
     p.add_argument("--page-size", type=int, default=cache.page_size)
@@ -102,7 +109,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, model_shape=args.model_shape, load_format=args.load_format,
         device=args.device, dtype=args.dtype,
         attention_backend=args.attention_backend, disable_radix_cache=args.disable_radix_cache,
-        disable_cuda_graph=args.disable_cuda_graph,
+        disable_cuda_graph=args.disable_cuda_graph, tp_size=args.tp,
         # Request slots: running requests plus those still in transfer or in the queues.
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages,
                           mem_fraction=args.mem_fraction, max_reqs=args.max_running * 2 + 8,
@@ -117,6 +124,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 async def _serve(role: str, args: argparse.Namespace, build: Build) -> int:
     parts = build(args, engine_config(args))
     service, thread = parts.service, parts.thread
+    stop, hurry = asyncio.Event(), asyncio.Event()
+    if parts.engine is not None:
+        loop = asyncio.get_running_loop()
+        exit_on_rank_loss(parts.engine, role, lambda: loop.call_soon_threadsafe(
+            lambda: (hurry.set(), stop.set())))
     if not args.skip_warmup:  # before the scheduler thread owns the engine, and registration
         service.warmup_s = warm_up(thread.scheduler, log=log.info)
     thread.start()
@@ -124,7 +136,6 @@ async def _serve(role: str, args: argparse.Namespace, build: Build) -> int:
         service, args.host, args.port, args.registration_secret or None, args.tls_cert,
         args.tls_key)
     service.address = f"{args.host}:{port}"
-    stop, hurry = asyncio.Event(), asyncio.Event()
     install_signal_handlers(stop, hurry)
     link = None
     if args.router:
@@ -132,8 +143,9 @@ async def _serve(role: str, args: argparse.Namespace, build: Build) -> int:
                           args.tls_ca)
         await link.start()
     print(f"worker ready role={role} grpc={service.address} "
-          f"bootstrap={service.bootstrap_addr or '-'} id={service.worker_id} "
-          f"warmup_s={sum(service.warmup_s.values()):.2f}", flush=True)
+          f"bootstrap={service.bootstrap_addr or '-'} id={service.worker_id} tp={args.tp} "
+          f"pids={rank_pids(parts.engine)} warmup_s={sum(service.warmup_s.values()):.2f}",
+          flush=True)
     try:
         await stop.wait()
     finally:
@@ -150,12 +162,14 @@ async def _serve(role: str, args: argparse.Namespace, build: Build) -> int:
             await link.deregister()
         await server.stop(grace=None if hurry.is_set() else 1.0)
         thread.stop()
-        for close in parts.closers:
+        closers = [*parts.closers, *([parts.engine.close] if parts.engine else [])]
+        for close in closers:
             try:
                 close()
             except Exception:  # shutdown continues; every resource gets its chance
                 log.exception("close failed")
-    return 0
+    lost = parts.engine is not None and parts.engine.runner.lost_rank is not None
+    return EXIT_RANK_LOST if lost else 0
 
 
 async def _unless(hurry: asyncio.Event, work: Awaitable[object]) -> None:
@@ -182,6 +196,6 @@ def run(role: str, argv: list[str] | None, build: Build,
         if warning:
             print(f"pdserve {role}: warning: {warning}", file=sys.stderr, flush=True)
         return run_event_loop(_serve(role, args, build))
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RankError) as e:
         print(f"pdserve {role}: error: {e}", file=sys.stderr)
         return 2

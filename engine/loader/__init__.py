@@ -10,12 +10,12 @@ import torch
 
 from pdserve.engine.config import ModelConfig, parse_dtype
 from pdserve.engine.loader.common import ModelLoadError
+from pdserve.engine.model_shapes import LOAD_FORMATS, check_load_format
 from pdserve.engine.models import LlamaForCausalLM
+from pdserve.engine.tp.group import TPGroup
 
 __all__ = ["LOAD_FORMATS", "ModelLoadError", "check_load_format", "load_model",
            "load_tokenizer", "read_model_config", "resolve_model_path", "shape_config"]
-
-from pdserve.engine.model_shapes import LOAD_FORMATS, check_load_format
 
 
 def resolve_model_path(path: str) -> tuple[str, str]:
@@ -61,28 +61,29 @@ def read_model_config(path: str | None, model_shape: str | None = None) -> Model
 
 def load_model(
     path: str | None, dtype: str | torch.dtype = torch.float32,
-    device: str | torch.device = "cpu", load_format: str = "auto",
+    device: str | torch.device = "cpu", tp: TPGroup | None = None, load_format: str = "auto",
     model_shape: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Builds the model on `device` in `dtype` and fills it from an HF directory or GGUF file,
     or with random weights (`load_format="dummy"`, implied by `model_shape`): then only the
-    config of `path` is read (an HF directory may hold just config.json and tokenizer files)."""
+    config of `path` is read (an HF directory may hold just config.json and tokenizer files).
+    With `tp`, this rank's shard only."""
     check_load_format(load_format)
     dtype, device = parse_dtype(dtype), torch.device(device)
     if load_format == "dummy" or model_shape is not None:
         from pdserve.engine.loader.dummy import load_dummy_model
 
-        return load_dummy_model(read_model_config(path, model_shape), dtype, device)
+        return load_dummy_model(read_model_config(path, model_shape), dtype, device, tp)
     if path is None:
         raise ValueError("model: give a model path or a model shape")
     kind, where = resolve_model_path(path)
     if kind == "hf":
         from pdserve.engine.loader.hf import load_hf_model
 
-        return load_hf_model(where, dtype, device)
+        return load_hf_model(where, dtype, device, tp)
     from pdserve.engine.loader.gguf import load_gguf_model
 
-    return load_gguf_model(where, dtype, device)
+    return load_gguf_model(where, dtype, device, tp)
 
 
 def load_tokenizer(path: str) -> Any:

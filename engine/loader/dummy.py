@@ -16,6 +16,7 @@ import torch
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.models import LlamaForCausalLM
+from pdserve.engine.tp.group import TPGroup
 
 DUMMY_SEED = 0
 
@@ -33,7 +34,8 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = DUMMY_SEED) -> None:
 
 
 def load_dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                     seed: int = DUMMY_SEED) -> tuple[LlamaForCausalLM, ModelConfig]:
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
-    init_dummy_weights(model, seed)
+                     tp: TPGroup | None = None, seed: int = DUMMY_SEED
+                     ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    model = LlamaForCausalLM(config, dtype=dtype, device=device, tp=tp)
+    init_dummy_weights(model, seed + (tp.rank if tp is not None else 0))
     return model.eval(), config

@@ -10,17 +10,24 @@ from __future__ import annotations
 import os
 import re
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.loader.common import ModelLoadError, TensorSource, fill_weights
+from pdserve.engine.loader.common import (
+    ModelLoadError,
+    Slice,
+    TensorSource,
+    fill_weights,
+    narrow,
+)
 from pdserve.engine.loader.gguf_file import GGUFFile, GGUFTensor
 from pdserve.engine.loader.hf import check_architecture
 from pdserve.engine.models import LlamaForCausalLM
+from pdserve.engine.tp.group import TPGroup
 
 # GGUF `general.architecture` -> HF architecture (Mistral GGUFs declare `llama`).
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -138,21 +145,32 @@ def _sources(reader: GGUFFile, path: str, config: ModelConfig, gguf_arch: str
             continue
         heads = (config.num_heads if ".q_proj." in name else
                  config.num_kv_heads if ".k_proj." in name else 0)
-        yield path, name, _reader(t, path, heads if permute else 0)
+        yield path, name, _GGUFTensor(t, path, heads if permute else 0)
 
 
-def _reader(t: GGUFTensor, path: str, unpermute_heads: int) -> Callable[[], torch.Tensor]:
-    def read() -> torch.Tensor:
+class _GGUFTensor:
+    """A tensor of the mapped file. A slice of rows dequantizes only those rows (quantization
+    blocks run along a row); a slice of columns dequantizes the whole tensor first."""
+
+    def __init__(self, t: GGUFTensor, path: str, unpermute_heads: int) -> None:
+        self.t, self.path, self.unpermute_heads = t, path, unpermute_heads
+        self.shape = t.shape
+
+    def read(self, part: Slice | None = None) -> torch.Tensor:
+        t = self.t
+        rows_only = part is not None and part[0] == 0 and len(t.shape) == 2
+        data = t.data[part[1]:part[1] + part[2]] if rows_only else t.data
+        shape = (part[2], *t.shape[1:]) if rows_only else t.shape
         try:
-            w = torch.from_numpy(_dequantize(t))
+            w = torch.from_numpy(_dequantize(GGUFTensor(t.name, shape, t.tensor_type, data)))
         except (NotImplementedError, ValueError) as e:
-            raise ModelLoadError(
-                f"{path}: cannot dequantize tensor {t.name!r} ({t.tensor_type.name}): {e}") from e
-        if unpermute_heads and w.shape[0] % (2 * unpermute_heads) == 0:
-            w = _unpermute(w, unpermute_heads)
-        return w
-
-    return read
+            raise ModelLoadError(f"{self.path}: cannot dequantize tensor {t.name!r} "
+                                 f"({t.tensor_type.name}): {e}") from e
+        # llama.cpp permuted rows within each head: whole heads unpermute on their own.
+        heads = self.unpermute_heads * w.shape[0] // t.shape[0]
+        if heads and w.shape[0] % (2 * heads) == 0:
+            w = _unpermute(w, heads)
+        return w if rows_only else narrow(w, part)
 
 
 def read_gguf_config(path: str) -> ModelConfig:
@@ -160,11 +178,11 @@ def read_gguf_config(path: str) -> ModelConfig:
 
 
 def load_gguf_model(
-    path: str, dtype: torch.dtype, device: torch.device
+    path: str, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     reader = _open(path)
     config, gguf_arch = _config(reader, path)
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    model = LlamaForCausalLM(config, dtype=dtype, device=device, tp=tp)
     fill_weights(model, _sources(reader, path, config, gguf_arch), path,
                  desc=f"Loading {config.name}")
     return model.eval(), config

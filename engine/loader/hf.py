@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.loader.common import ModelLoadError, TensorSource, fill_weights
+from pdserve.engine.loader.common import ModelLoadError, Slice, TensorSource, fill_weights
 from pdserve.engine.models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
 from pdserve.engine.models.rope import SUPPORTED_ROPE_TYPES, rope_type_of
+from pdserve.engine.tp.group import TPGroup
 
 # Checkpoints without an `architectures` list still carry a model_type.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -127,24 +128,36 @@ def _sources(files: list[str]) -> Iterator[TensorSource]:
             raise ModelLoadError(f"{file}: cannot read safetensors ({e})") from e
         with handle as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                yield file, name, _reader(f, file, name)
+                yield file, name, _SafetensorsTensor(f, file, name)
 
 
-def _reader(f: Any, file: str, name: str) -> Callable[[], torch.Tensor]:
-    def read() -> torch.Tensor:
+class _SafetensorsTensor:
+    """A tensor of an open safetensors file; a slice reads only its own bytes (get_slice)."""
+
+    def __init__(self, f: Any, file: str, name: str) -> None:
+        self.f, self.file, self.name = f, file, name
         try:
-            return f.get_tensor(name)
+            self.slicer = f.get_slice(name)
+            self.shape = tuple(self.slicer.get_shape())
         except (OSError, RuntimeError) as e:
             raise ModelLoadError(f"{file}: cannot read tensor {name!r} ({e})") from e
 
-    return read
+    def read(self, part: Slice | None = None) -> torch.Tensor:
+        try:
+            if part is None:
+                return self.f.get_tensor(self.name)
+            dim, start, length = part
+            index = (slice(None),) * dim + (slice(start, start + length),)
+            return self.slicer[index]
+        except (OSError, RuntimeError) as e:
+            raise ModelLoadError(f"{self.file}: cannot read tensor {self.name!r} ({e})") from e
 
 
 def load_hf_model(
-    model_dir: str, dtype: torch.dtype, device: torch.device
+    model_dir: str, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     config = read_hf_config(model_dir)
     files = safetensors_files(model_dir)
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    model = LlamaForCausalLM(config, dtype=dtype, device=device, tp=tp)
     fill_weights(model, _sources(files), model_dir, desc=f"Loading {config.name}")
     return model.eval(), config

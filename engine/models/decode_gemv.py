@@ -10,6 +10,9 @@ one vector. The final norm rides on the lm_head GEMV.
 Same model, same weights: the numbers differ from the unfused path only by rounding (one fp32
 accumulation per output instead of a bf16 rounding after each op); the GPU tests compare both
 paths' logits and greedy tokens.
+
+Under tensor parallelism each GEMV runs over this rank's shard; the two closing projections add
+the residual on rank 0 only and an all-reduce sums the partial results (as row_parallel does).
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 from pdserve.engine.models.fused import kernels
+from pdserve.engine.tp.group import TPGroup
 
 if TYPE_CHECKING:
     from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -45,17 +48,25 @@ def _layer(layer: LlamaDecoderLayer, r: torch.Tensor, cos: torch.Tensor, sin: to
                            layer.input_layernorm.eps, cos, sin, pool.k_view(i), pool.v_view(i),
                            fb.out_cache_loc, attn.num_heads, attn.num_kv_heads)
     o = fb.attn_backend.forward(i, q, None, None, fb, attn.scale)
-    r = ops.gemv(o.reshape(1, attn.q_size), attn.o_proj, residual=r)
+    r = _closing(o.reshape(1, attn.q_size), attn.o_proj, r, attn.tp)
     norm = layer.post_attention_layernorm
     act = ops.gemv(r, mlp.gate_up_proj, norm_weight=norm.weight, eps=norm.eps, silu_mul=True)
-    return ops.gemv(act, mlp.down_proj, residual=r)
+    return _closing(act, mlp.down_proj, r, mlp.tp)
+
+
+def _closing(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """r + x @ w^T; w split by input columns under TP (residual on rank 0, then all-reduce)."""
+    if not tp.active:
+        return kernels().gemv(x, w, residual=r)
+    return tp.all_reduce_(kernels().gemv(x, w, residual=r if tp.rank == 0 else None))
 
 
 def forward(model: LlamaForCausalLM, fb: ForwardBatch) -> torch.Tensor:
     """fp32 logits [1, vocab] of the one new token."""
-    r = F.embedding(fb.input_ids, model.embed_tokens)
+    r = model.embed(fb.input_ids)
     cos, sin = model.rotary.cos_sin_half(fb.positions)
     for layer in model.layers:
         r = _layer(layer, r, cos, sin, fb)
-    return kernels().gemv(r, model.lm_head, norm_weight=model.norm.weight, eps=model.norm.eps,
-                          out_dtype=torch.float32)
+    return model.gather_logits(kernels().gemv(
+        r, model.lm_head, norm_weight=model.norm.weight, eps=model.norm.eps,
+        out_dtype=torch.float32))

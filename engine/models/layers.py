@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.models.fused import Fusion, kernels
+from pdserve.engine.tp.group import TPGroup
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -62,15 +63,18 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up in one [2 * intermediate, hidden] matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up in one [2 * intermediate, hidden] matmul.
+    Under tensor parallelism `intermediate_size` is this rank's columns: gate/up are split by
+    rows (column-parallel), down by columns (row-parallel, one all-reduce)."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-        device: torch.device | str | None, fusion: Fusion,
+        device: torch.device | str | None, fusion: Fusion, tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.fusion = fusion
+        self.tp = tp if tp is not None else TPGroup()
         self.gate_up_proj = empty_param(2 * intermediate_size, hidden_size, dtype=dtype,
                                         device=device)
         self.down_proj = empty_param(hidden_size, intermediate_size, dtype=dtype, device=device)
@@ -87,10 +91,24 @@ class SwiGLUMLP(nn.Module):
             else:
                 gate, up = gate_up.split(self.intermediate_size, dim=-1)
                 act = F.silu(gate) * up
-        return linear_into(act, self.down_proj, residual)
+        return row_parallel(act, self.down_proj, residual, self.tp)
 
 
 def linear_into(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """x @ w^T, or with `residual` that product added into `residual` in place by the GEMM
     (one rounding) and `residual` returned."""
     return F.linear(x, w) if residual is None else residual.addmm_(x, w.t())
+
+
+def row_parallel(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None,
+                 tp: TPGroup) -> torch.Tensor:
+    """linear_into over a weight split by input columns: each rank's partial product, summed
+    by one all-reduce. With `residual`, rank 0 adds its partial into the residual and the
+    others overwrite theirs with the partial (beta = 0), so the sum holds the residual once
+    and every rank ends with the same stream."""
+    if not tp.active:
+        return linear_into(x, w, residual)
+    if residual is None:
+        return tp.all_reduce_(F.linear(x, w))
+    residual.addmm_(x, w.t(), beta=1 if tp.rank == 0 else 0)
+    return tp.all_reduce_(residual)

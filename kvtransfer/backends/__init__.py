@@ -19,6 +19,9 @@ ONE_SIDED_BACKENDS = frozenset({"shm", "cuda_ipc", "nixl"})
 # Backends whose connection to a peer is set up at handshake (engine.connect), so that the
 # first room to a new peer does not pay for it.
 CONNECT_AT_BOOTSTRAP = frozenset({"ucx", "nixl"})
+# Backends that write a chunk's parts into the pools of a decode worker's tensor-parallel ranks
+# (engine.write_lanes): the only ones for workers whose KV layouts differ or span several ranks.
+LANE_BACKENDS = frozenset({"shm", "tcp", "cuda_ipc"})
 
 
 def make_engine(name: str, **kwargs: Any) -> TransferEngine:

@@ -36,6 +36,8 @@ from pdserve.kvtransfer.backends.same_host import SameHostEngine
 from pdserve.kvtransfer.config import IPC_COPIES
 from pdserve.kvtransfer.descriptors import DST, SRC, run_pages
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler
+from pdserve.kvtransfer.lanes import Part
+from pdserve.kvtransfer.rank_pools import PoolSet
 
 log = logging.getLogger("pdserve.kvtransfer")
 _DIRECT_MAX_DESCS = 8  # up to this many runs: one peer copy each (no kernel, no staging)
@@ -88,6 +90,10 @@ def enable_peer_access(a: int, b: int) -> None:
         torch.cuda.set_device(current)
 
 
+def _uuid(t: torch.Tensor) -> str:
+    return str(torch.cuda.get_device_properties(t.device).uuid)
+
+
 def _device_of(uuid: str) -> int:
     """Index of the visible GPU with this UUID (the peer pool's device), else -1."""
     for i in range(torch.cuda.device_count()):
@@ -99,8 +105,10 @@ def _device_of(uuid: str) -> int:
 class CudaIpcEngine(SameHostEngine):
     name = "cuda_ipc"
 
-    def __init__(self, ipc_copy: str = "auto", send_timeout_s: float = 30.0, **_: Any) -> None:
+    def __init__(self, ipc_copy: str = "auto", send_timeout_s: float = 30.0,
+                 lanes: PoolSet | None = None, **_: Any) -> None:
         super().__init__(send_timeout_s)
+        self._lanes = lanes  # receiver: every tensor-parallel rank's pool (rank 0's first)
         if ipc_copy not in IPC_COPIES:
             raise ValueError(f"ipc_copy: {ipc_copy!r} is not one of {IPC_COPIES}")
         self.ipc_copy = ipc_copy
@@ -118,8 +126,31 @@ class CudaIpcEngine(SameHostEngine):
             raise ValueError("pool_buffer: the cuda_ipc backend needs the pool on a GPU")
         rebuild, args = reduce_tensor(pool)
         blob = base64.b64encode(pickle.dumps((rebuild, args))).decode()
-        return {"handle": blob, "device_uuid": str(torch.cuda.get_device_properties(
-            pool.device).uuid), **self._listen(handler)}
+        info: dict[str, Any] = {"handle": blob, "device_uuid": _uuid(pool),
+                                **self._listen(handler)}
+        if self._lanes is not None and self._lanes.layout.tp > 1:
+            # The other ranks' pools by the handles they exported (rank_pools.IpcShare).
+            info["lanes"] = [{"handle": blob if r == 0 else h, "device_uuid": _uuid(t)}
+                             for r, (t, h) in enumerate(zip(self._lanes.tensors,
+                                                            self._lanes.handles))]
+        return info
+
+    def write_lanes(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader,
+                    parts: list[Part]) -> None:
+        """Each part's runs (or their range of heads) by peer copies into its rank's pool, then
+        waits for them: the parts come from several GPUs (this worker's ranks), so they are
+        finished here rather than tracked by the completion event."""
+        for part in parts:
+            dst = self._map(f"{peer}/{part.lane}", self.lane_info(peer_info, part.lane))
+            src = part.src
+            torch.cuda.current_stream(src.device).synchronize()  # the pages are written
+            with torch.cuda.device(dst.device):
+                if part.heads is not None:
+                    self._copy_heads(peer, src, dst, part.descs, part.heads)
+                else:
+                    for sp, dp, n in self._runs(peer, src, dst, part.descs).tolist():
+                        dst[dp:dp + n].copy_(src[sp:sp + n], non_blocking=True)
+                torch.cuda.current_stream(dst.device).synchronize()
 
     def _map(self, peer: str, info: dict[str, Any]) -> torch.Tensor:
         dst = self._peers.get(peer)
@@ -140,7 +171,7 @@ class CudaIpcEngine(SameHostEngine):
     def write(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> None:
         src = self.region("kv")
         dst = self._map(peer, peer_info)
-        runs = self._runs(peer, src, dst, header)
+        runs = self._runs(peer, src, dst, header.descs)
         trace.stamp("mapped", header.room)
         if self._streams is None:
             self._streams = (torch.cuda.Stream(device=src.device),
@@ -245,7 +276,8 @@ class CudaIpcEngine(SameHostEngine):
 
     def drop_peer(self, peer: str) -> None:
         super().drop_peer(peer)
-        self._peers.pop(peer, None)
+        for key in [k for k in self._peers if k == peer or k.startswith(f"{peer}/")]:
+            self._peers.pop(key, None)
         self._copiers.pop(peer, None)
 
     def close(self) -> None:

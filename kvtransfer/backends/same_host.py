@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdserve.kernels.page_copy import check_head_pools
 from pdserve.kvtransfer.chunk_header import ChunkHeader
 from pdserve.kvtransfer.descriptors import coalesce
 from pdserve.kvtransfer.engine import ReceiveHandler, TransferEngine
@@ -178,6 +179,7 @@ class SameHostEngine(TransferEngine):
     """Base of the one-sided engines: notification channel on both sides."""
 
     one_sided = True
+    head_parts = True
 
     def __init__(self, send_timeout_s: float = 30.0) -> None:
         super().__init__()
@@ -193,20 +195,41 @@ class SameHostEngine(TransferEngine):
         return {"notify": self._listener.path}
 
     @staticmethod
-    def _runs(peer: str, src: torch.Tensor, dst: torch.Tensor, header: ChunkHeader,
-              ) -> np.ndarray:
+    def _runs(peer: str, src: torch.Tensor, dst: torch.Tensor, descs: np.ndarray,
+              heads: tuple[int, int, int] | None = None) -> np.ndarray:
         """The chunk's copies as (src_page, dst_page, num_pages) rows, runs merged again (the
         message-size cap means nothing to a copy); raises unless the peer's pool holds pages
-        like ours and every destination lies inside it."""
-        if tuple(dst.shape[1:]) != tuple(src.shape[1:]) or dst.dtype != src.dtype:
+        like ours (but for the heads, with `heads`) and every destination lies inside it."""
+        if heads is not None:
+            check_head_pools(src, dst, *heads)
+        elif tuple(dst.shape[1:]) != tuple(src.shape[1:]) or dst.dtype != src.dtype:
             raise ValueError(f"pool of peer {peer}: pages {tuple(dst.shape[1:])} {dst.dtype} "
                              f"!= local {tuple(src.shape[1:])} {src.dtype}")
-        runs = coalesce(header.descs)
+        runs = coalesce(descs)
         if len(runs) and (runs[:, 1].min() <= 0
                           or (runs[:, 1] + runs[:, 2]).max() > dst.shape[0]):
             raise ValueError(f"destination pages outside the pool of peer {peer} "
                              f"[1, {dst.shape[0]})")
         return runs
+
+    @staticmethod
+    def lane_info(peer_info: dict[str, Any], lane: int) -> dict[str, Any]:
+        """How to reach the pool of the peer's tensor-parallel rank `lane`: its entry in the
+        peer's `lanes`, or (a peer of one rank) the peer info itself."""
+        lanes = peer_info.get("lanes")
+        if lanes:
+            return lanes[lane]
+        if lane != 0:
+            raise ValueError(f"lane: the peer has one pool, not a rank {lane}")
+        return peer_info
+
+    def _copy_heads(self, peer: str, src: torch.Tensor, dst: torch.Tensor, descs: np.ndarray,
+                    heads: tuple[int, int, int]) -> None:
+        """A range of heads of every run of pages: one strided copy per run."""
+        s_head, d_head, num = heads
+        for sp, dp, n in self._runs(peer, src, dst, descs, heads).tolist():
+            dst[dp:dp + n, :, :, :, d_head:d_head + num].copy_(
+                src[sp:sp + n, :, :, :, s_head:s_head + num], non_blocking=dst.is_cuda)
 
     def notify(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> bool:
         path = peer_info.get("notify")

@@ -1,9 +1,11 @@
 """`tcp` backend over pyzmq: host memory, any pair of hosts; the dependable fallback.
 
 One message per chunk: a header frame then one frame per descriptor, sent zero-copy from the
-sender's pool. The receiver validates the header before placing a byte; frames of a rejected
-chunk are dropped. Threads: the receive thread owns the ROUTER socket; the caller's transfer
-thread owns every DEALER (ZMQ sockets are never shared between threads).
+sender's pool; for a decode worker of several tensor-parallel ranks, a frame per descriptor per
+rank, rank by rank (every rank's part of a chunk in one message). The receiver validates the
+header before placing a byte; frames of a rejected chunk are dropped. Threads: the receive
+thread owns the ROUTER socket; the caller's transfer thread owns every DEALER (ZMQ sockets are
+never shared between threads).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import zmq
 
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
+from pdserve.kvtransfer.lanes import Part
 
 log = logging.getLogger("pdserve.kvtransfer")
 
@@ -76,6 +79,17 @@ class TcpEngine(TransferEngine):
 
     # -- sending --------------------------------------------------------------------------
     def write(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> None:
+        self._send(peer, peer_info, header, [(self.region("kv"), header.descs)])
+
+    def write_lanes(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader,
+                    parts: list[Part]) -> None:
+        ordered = sorted(parts, key=lambda p: p.lane)
+        if [p.lane for p in ordered] != list(range(len(ordered))):
+            raise ValueError(f"parts: lanes {[p.lane for p in ordered]}, expected every rank")
+        self._send(peer, peer_info, header, [(p.src, p.descs) for p in ordered])
+
+    def _send(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader,
+              sources: list[tuple[torch.Tensor, Any]]) -> None:
         sock = self._dealers.get(peer)
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
@@ -83,11 +97,11 @@ class TcpEngine(TransferEngine):
             sock.setsockopt(zmq.SNDTIMEO, int(self._send_timeout_s * 1000))
             sock.connect(peer_info["addr"])
             self._dealers[peer] = sock
-        pool = self.region("kv")
         frames: list[Any] = [header.to_bytes()]
-        for s, _, n, _ in header.descs.tolist():
-            src = pool[s:s + n]
-            frames.append(_bytes_view(src if src.device.type == "cpu" else src.cpu()))
+        for pool, descs in sources:
+            for s, _, n, _ in descs.tolist():
+                src = pool[s:s + n]
+                frames.append(_bytes_view(src if src.device.type == "cpu" else src.cpu()))
         tracker = sock.send_multipart(frames, copy=False, track=True)
         # The pages stay owned by the request until Success, but the caller may reuse them
         # after write() returns: wait until ZMQ has let go of the buffers.

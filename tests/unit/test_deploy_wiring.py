@@ -176,6 +176,7 @@ def test_workers_drain_before_they_go(overlay: str):
         gpu = c["resources"]["limits"]["nvidia.com/gpu"]
         assert c["resources"]["requests"]["nvidia.com/gpu"] == gpu and int(gpu) >= 1
         assert args.device == "cuda"
+        assert args.tp == int(gpu)  # one pod holds its worker's ranks, one GPU each
 
 
 def test_secret_example_has_the_keys_the_pods_read():
