@@ -61,7 +61,7 @@ def _streams(pool: cf.ThreadPoolExecutor, url: str, n: int, body: dict):
 
 def test_decode_killed_mid_decode_then_mid_transfer(procs):
     procs.start_router()
-    _, victim, survivor = procs.start_workers("prefill", "decode", "decode")
+    _, one, two = procs.start_workers("prefill", "decode", "decode")
     procs.wait_healthy(3)
     url = f"{procs.url}/v1/completions"
     # Mid-decode: every stream has output when the victim dies. Streams on the victim end with
@@ -70,6 +70,13 @@ def test_decode_killed_mid_decode_then_mid_transfer(procs):
         streams, futures = _streams(pool, url, 6, LONG)
         for s in streams:
             assert s.first.wait(120)
+        # On a loaded machine one worker's streams can finish before the last stream starts:
+        # the victim is the decode worker that runs the most streams now.
+        # (The load in /workers comes with heartbeats: wait for one that shows it.)
+        ws = procs.wait_workers(lambda ws: any(w["role"] == "decode" and w["num_running"] > 0
+                                               for w in ws), 10)
+        running = {w["address"]: w["num_running"] for w in ws}
+        victim, survivor = sorted((one, two), key=lambda p: -running.get(p.fields["grpc"], 0))
         victim.signal(signal.SIGSTOP)
         victim.signal(signal.SIGKILL)
         victim.signal(signal.SIGCONT)

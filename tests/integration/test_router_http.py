@@ -85,7 +85,10 @@ async def test_n_fans_out_with_distinct_seeds(cluster):
 
 
 async def test_retry_once_before_first_token(cluster):
-    router, fakes = await cluster(num_prefill=2, prefill_policy="round_robin")
+    # A generous health timeout: two slow health answers on a loaded machine would take the
+    # decode worker out of rotation between the attempts, and the retry would find no pair.
+    router, fakes = await cluster(num_prefill=2, prefill_policy="round_robin",
+                                  health_check_timeout_s=5.0)
     # Both prefill workers healthy before the pick: otherwise `first` may be the only one
     # healthy yet while the router, a moment later, starts its round at the other.
     assert await wait_for(lambda: len(router.core.registry.available("prefill")) == 2)
