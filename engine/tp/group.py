@@ -54,6 +54,8 @@ class TPGroup:
         cpu = dist.ProcessGroupGloo(dist.PrefixStore("tp-cpu/", store), rank, size,
                                     _IDLE_TIMEOUT)
         if device.type == "cuda":
+            if device.index is None:  # set_device needs an index ("cuda" = the current one)
+                device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = device_timeout
