@@ -48,14 +48,24 @@ def make_engine(name: str, **kwargs: Any) -> TransferEngine:
     raise ValueError(f"backend: unknown {name!r}")
 
 
+def nixl_module_name() -> str | None:
+    """The NIXL module to import here (the one matching torch's CUDA major first), or None."""
+    import torch
+
+    cuda = str(torch.version.cuda or "")
+    order = ("nixl_cu13", "nixl_cu12") if cuda.startswith("13") else ("nixl_cu12", "nixl_cu13")
+    for name in (*order, "nixl"):
+        if importlib.util.find_spec(name) is not None:
+            return name
+    return None
+
+
 def importable(name: str) -> bool:
     """Whether this process has the package a backend needs (found, not imported: importing
     NIXL loads dozens of libraries; a broken install shows when the engine starts)."""
     if name == "ucx":
         return importlib.util.find_spec("ucxx") is not None
     if name == "nixl":
-        from pdserve.kvtransfer.backends.nixl_lib import nixl_module_name
-
         return nixl_module_name() is not None
     if name == "cuda_ipc":
         import torch

@@ -11,7 +11,6 @@ in NotifPoller.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import os
 import threading
@@ -19,21 +18,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.kvtransfer.backends import nixl_module_name
+
 log = logging.getLogger("pdserve.kvtransfer")
 
 WARMUP = b"PDKV-HELLO"  # notification sent at handshake to set the connection up; ignored
-
-
-def nixl_module_name() -> str | None:
-    """The NIXL module to import here (the one matching torch's CUDA major first), or None."""
-    import torch
-
-    cuda = str(torch.version.cuda or "")
-    order = ("nixl_cu13", "nixl_cu12") if cuda.startswith("13") else ("nixl_cu12", "nixl_cu13")
-    for name in (*order, "nixl"):
-        if importlib.util.find_spec(name) is not None:
-            return name
-    return None
 
 
 def _api() -> Any:
