@@ -25,6 +25,8 @@ import httpx
 from fixtures.cluster import Cluster, start_cluster
 from fixtures.footprint import Footprint, descendants
 
+from pdserve.bench import refusal_burst
+
 GONE_WITHIN_S = 5.0
 
 
@@ -157,6 +159,13 @@ def test_queue_bound_refuses_at_once_then_sighup_leaves_nothing(smollm2_path):
                   "refused_max_s": round(refused[-1].seconds, 2),
                   "first_served_s": round(first_done, 2)}
         print(f"refused-result {json.dumps(result)}")
+        workers = cluster.wait_idle(60)
+        assert all(w["kv_pages_in_use"] == 0 for w in workers), workers
+        # The same burst from raw sockets (the router's pace, not an HTTP library's).
+        raw = asyncio.run(refusal_burst.burst(cluster.url, 256, 32))
+        print(f"refused-raw-result {json.dumps(raw)}")
+        assert raw["other"] == [] and raw["refused"] + raw["served"] == 256, raw
+        assert raw["served"] >= 64 + 8 and raw["refused_max_s"] < raw["first_served_s"], raw
         workers = cluster.wait_idle(60)
         assert all(w["kv_pages_in_use"] == 0 for w in workers), workers
         fp = Footprint.of(cluster.proc.pid)
