@@ -36,7 +36,8 @@ def run_offline(args: argparse.Namespace, report: dict) -> dict:
     out = os.path.join(args.out, "offline.json")
     cmd = [sys.executable, "-m", "pdserve.bench.serve_offline", "--device", args.device,
            "--model-shape", args.model_shape, "--num-pages", str(args.num_pages),
-           "--seed", str(args.seed), *(["--quick"] if args.quick else []), "--out", out]
+           "--seed", str(args.seed), *(["--quick"] if args.quick else []),
+           *(["--workloads", args.workloads] if args.workloads else []), "--out", out]
     _run(cmd, os.path.join(args.out, "offline.log"), 900)
     report["phases_s"]["offline"] = time.perf_counter() - t0
     with open(out, encoding="utf-8") as f:

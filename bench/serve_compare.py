@@ -49,6 +49,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-shape", default=None, choices=shape_names(),
                    help="default: llama3-8b on CUDA, tiny with --quick")
     p.add_argument("--quick", action="store_true", help="small workloads (a CPU smoke run)")
+    p.add_argument("--workloads", default=None,
+                   help="instead of the built-in sizes: NAME:CLIENTS:IN:OUT:PROMPTS,... "
+                        "(one client: TTFT and ITL; more: output tok/s)")
     p.add_argument("--num-pages", type=int, default=None,
                    help="KV pages per worker (default: enough for workload c)")
     p.add_argument("--seed", type=int, default=0)
@@ -58,10 +61,32 @@ def workloads_of(args: argparse.Namespace) -> tuple[Workload, ...]:
     if args.model_shape is None:
         args.model_shape = "tiny" if args.quick else "llama3-8b"
     loads = QUICK_WORKLOADS if args.quick else GPU_WORKLOADS
+    if args.workloads:
+        loads = parse_workloads(args.workloads)
     if args.num_pages is None:  # every client of the largest load at full length, and 25%
         need = max(w.clients * -(-(w.input_len + w.output_len) // 16) for w in loads)
         args.num_pages = need * 5 // 4 + 64
     return loads
+
+
+def parse_workloads(spec: str) -> tuple[Workload, ...]:
+    """`NAME:CLIENTS:IN:OUT:PROMPTS,...` -> workloads (ValueError naming the bad one)."""
+    out = []
+    for item in (x for x in spec.split(",") if x):
+        parts = item.split(":")
+        try:
+            if len(parts) != 5:
+                raise ValueError
+            name, nums = parts[0], [int(x) for x in parts[1:]]
+            if not name or min(nums) < 1:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--workloads: {item!r} is not NAME:CLIENTS:IN:OUT:PROMPTS with "
+                             "positive numbers") from None
+        out.append(Workload(name, *nums))
+    if not out:
+        raise ValueError("--workloads: no workload given")
+    return tuple(out)
 
 
 def bench_args(w: Workload, seed: int, tokenizer: str) -> list[str]:
