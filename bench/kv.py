@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--ipc-copy", default="auto", choices=list(IPC_COPIES),
                    help="cuda_ipc: Triton page-to-page kernel, or gather/peer copy/scatter")
+    p.add_argument("--stage-mib", type=int, default=0,
+                   help="ucx: MiB per staged message (0: the backend's default)")
     p.add_argument("--prefill-tp", type=int, default=1, help="sender's tensor-parallel ranks")
     p.add_argument("--decode-tp", type=int, default=1, help="receiver's tensor-parallel ranks")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
@@ -133,7 +135,7 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm,
     src_spec = PoolSpec(**base, seed=0, device=src_dev, tp=tp[0])  # type: ignore
     dst_spec = PoolSpec(**base, shm=backend == "shm", device=dst_dev, tp=tp[1])  # type: ignore
     cfg = TransferConfig(backend=backend, transfer_timeout_s=120, waiting_timeout_s=120,
-                         ipc_copy=args.ipc_copy)
+                         ipc_copy=args.ipc_copy, stage_bytes=args.stage_mib << 20)
     sender = SenderProcess(src_spec, cfg)
     mgr, pools, shms = make_manager("decode", dst_spec, cfg)
     rows: list[dict] = []
@@ -209,6 +211,9 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm,
                         "first_ms": None if rows else round(first["ms"], 3),
                         "bootstrap_ms": None if rows else round(first["bootstrap_ms"], 3),
                         "ucx_tls": os.environ.get("UCX_TLS", ""),
+                        "ucx_env": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                                            if k.startswith("UCX_")),
+                        "stage_mib": args.stage_mib,
                     })
     finally:
         mgr.close()
