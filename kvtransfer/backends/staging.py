@@ -20,7 +20,11 @@ from pdserve.kernels.device import to_device
 from pdserve.kvtransfer.chunk_header import ChunkHeader
 from pdserve.kvtransfer.descriptors import DST, NUM, SRC, run_pages
 
-GPU_PIECE_BYTES = 64 << 20  # ~30 us a message against ~0.2 ms to move 64 MiB over NVLink
+# A message costs UCX's cuda_ipc path far more than its bytes: one 4096-token Llama-3-8B request
+# (512 MiB) between two processes on one H200 moved at 51-55 GB/s as 64 MiB messages, 71-83 as
+# 256 MiB and 132-201 as one message (docs/performance.md). So a GPU chunk goes whole up to
+# 512 MiB (a 2,048-token prefill chunk of that model is 256 MiB).
+GPU_PIECE_BYTES = 512 << 20
 HOST_PIECE_BYTES = 16 << 20
 
 
