@@ -24,7 +24,7 @@ class TransferConfig:
     contiguous chunks included; "staged": gather -> one peer copy -> scatter; "auto": the
     kernel for scattered pages when Triton is there, plain peer copies for a few runs.
     stage_bytes (ucx): bytes per staged message; the gather of the next message overlaps the
-    send of this one (0: 64 MiB for GPU pools, 16 MiB for host pools).
+    send of this one (0: 512 MiB for GPU pools, 16 MiB for host pools).
     """
 
     backend: str = "auto"
