@@ -150,9 +150,11 @@ def run_served(args: argparse.Namespace, loads: tuple[Workload, ...], topo: str,
             cmd = [sys.executable, "-m", "pdserve", "bench", "--base-url", cluster.url,
                    *bench_args(w, args.seed, tok), "--json", "--no-progress"]
             client0 = _children_cpu_s()
+            t_start = time.time()
             proc = _run(cmd, os.path.join(args.out, f"bench-{topo}-{w.name}.log"), 900)
             bench = json.loads(proc.stdout.strip().splitlines()[-1])
             result[w.name] = _summary(bench, cpu0, cluster.cpu())
+            result[w.name].update(t_start=t_start, t_end=time.time())  # for the step traces
             # Its start-up (imports, the tokenizer) included: a bound, not a rate.
             result[w.name]["client_cpu_s"] = round(_children_cpu_s() - client0, 2)
             print(f"{topo} {w.name}: {json.dumps(result[w.name])}", flush=True)

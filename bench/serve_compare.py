@@ -159,11 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "serve-bench-out")
     p.add_argument("--topologies", default="mixed,pd", help="served clusters to run")
     p.add_argument("--no-check", action="store_true", help="skip the independent client")
+    p.add_argument("--step-trace", action="store_true",
+                   help="every scheduler writes its steps to OUT/steps (PDSERVE_STEP_TRACE); "
+                        "a table of them per workload comes before the ratios")
     p.add_argument("--budget-s", type=float, default=400.0,
                    help="start no phase past this many seconds (the table still comes)")
     args = p.parse_args(argv)
     loads = workloads_of(args)
     os.makedirs(args.out, exist_ok=True)
+    steps_dir = os.path.join(os.path.abspath(args.out), "steps")
+    if args.step_trace:  # inherited by the offline process, `pdserve up` and its workers
+        os.environ.update(PDSERVE_STEP_TRACE=steps_dir)
     t0 = time.perf_counter()
     args.deadline = t0 + args.budget_s
     report: dict = {"args": {k: v for k, v in vars(args).items() if k != "deadline"},
@@ -191,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     report["phases_s"]["total"] = time.perf_counter() - t0
     with open(os.path.join(args.out, "serve_bench.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
+    if args.step_trace:
+        from pdserve.bench.step_trace import report_rows, windows_of_report
+        from pdserve.bench.step_trace import table as steps_table
+
+        rows = report_rows(steps_dir, windows_of_report(report))
+        print("== scheduler steps per workload (bench/step_trace.py)")
+        print(steps_table(rows) if rows else "(no steps recorded)", flush=True)
     print(f"== serve-bench: {args.model_shape} on {report['offline'].get('gpu') or args.device}"
           f", {report['phases_s']['total']:.0f} s; logs and serve_bench.json in {args.out}")
     print(table(report), flush=True)

@@ -95,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
               "roofline_ms": weight_bytes / bw * 1e3, "workloads": {}}
     for w in loads:
         run = one_client if w.clients == 1 else many_clients
+        t_start = time.time()
         result["workloads"][w.name] = run(llm, w, args.seed)
+        # Wall-clock edges, for the step traces (bench/step_trace.py).
+        result["workloads"][w.name].update(t_start=t_start, t_end=time.time())
         print(f"offline {w.name}: {json.dumps(result['workloads'][w.name])}", flush=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)

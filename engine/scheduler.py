@@ -23,6 +23,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.overlap import OverlapDecoder, simple_sampling
 from pdserve.engine.req import Req
 from pdserve.engine.schedule_batch import ExtendEntry, ScheduleBatch
+from pdserve.engine.step_trace import StepTrace
 
 
 class Scheduler:
@@ -36,6 +37,7 @@ class Scheduler:
         self.eos_ids = tuple(runner.model_config.eos_token_ids)
         self.overlap = (OverlapDecoder(self)
                         if config.overlap_schedule and runner.device.type == "cuda" else None)
+        self.trace = StepTrace.from_env()
 
     # ---- hooks --------------------------------------------------------------------------------
 
@@ -89,14 +91,21 @@ class Scheduler:
     # ---- one iteration ------------------------------------------------------------------------
 
     def step(self) -> ForwardMode:
+        wall, t0 = time.time(), time.perf_counter()
         batch = self.schedule_extend()
         if batch is not None:
             self.run_extend(batch)
-            return ForwardMode.EXTEND
-        if self.running or (self.overlap is not None and self.overlap.busy):
+            mode, n = ForwardMode.EXTEND, sum(e.num_tokens for e in batch.entries)
+        elif self.running or (self.overlap is not None and self.overlap.busy):
+            n = len(self.running)
             self.run_decode()
-            return ForwardMode.DECODE
-        return ForwardMode.IDLE
+            mode = ForwardMode.DECODE
+        else:
+            return ForwardMode.IDLE
+        if self.trace is not None:
+            self.trace.record(wall, time.perf_counter() - t0, mode.name.lower(), n,
+                              len(self.running), len(self.waiting))
+        return mode
 
     def schedule_extend(self) -> ScheduleBatch | None:
         budget = self.config.chunked_prefill_size

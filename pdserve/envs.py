@@ -85,6 +85,10 @@ class Envs:
     kv_trace: bool = _switch(
         "PDSERVE_KV_TRACE", False, _flag,
         "`kvtrace <stage> <room> <time>` lines on stderr per KV transfer (`pdserve kvtrace LOG`)")
+    step_trace: str | None = _switch(
+        "PDSERVE_STEP_TRACE", None, _text,
+        "a folder: every scheduler (offline engine, each worker) writes one JSON line per "
+        "forward step to `steps-<pid>-<id>.jsonl` there (`python -m pdserve.bench.step_trace`)")
     cache: str | None = _switch(
         "PDSERVE_CACHE", None, _text,
         "cache folder (default model, tokenizers, CPU kernel); unset: $XDG_CACHE_HOME/pdserve "

@@ -72,6 +72,8 @@ class SchedulerThread:
                 ran = False
                 if sched.has_work:
                     ran = sched.step() != ForwardMode.IDLE
+                elif getattr(sched, "trace", None) is not None:
+                    sched.trace.flush()  # idle: the steps so far reach the file
                 self.snapshot = sched.snapshot() if hasattr(sched, "snapshot") else {}
         except BaseException as e:  # surfaced through health: the worker becomes NOT_SERVING
             self.error = e
