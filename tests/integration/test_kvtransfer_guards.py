@@ -179,6 +179,10 @@ def _registered(mgr: KVManager, prefill: PeerProcess, room: int, pages: list[int
     prefill.call("create_sender", room)
     r.init(pages)
     assert wait_for(r, KVPoll.WaitingForInput) == KVPoll.WaitingForInput, r.failure_reason
+    # Prefill learns of the pages by a message of its own: a sender sends only once it has them
+    # (as the prefill scheduler waits for it), else send() refuses.
+    st, reason = prefill.call("wait", room, int(KVPoll.WaitingForInput), 10)
+    assert st == KVPoll.WaitingForInput, reason
     return r
 
 
