@@ -91,20 +91,23 @@ class Scheduler:
     # ---- one iteration ------------------------------------------------------------------------
 
     def step(self) -> ForwardMode:
-        wall, t0 = time.time(), time.perf_counter()
+        trace = self.trace
+        if trace is not None:
+            wall, t0, num_running = time.time(), time.perf_counter(), len(self.running)
         batch = self.schedule_extend()
         if batch is not None:
             self.run_extend(batch)
-            mode, n = ForwardMode.EXTEND, sum(e.num_tokens for e in batch.entries)
+            mode = ForwardMode.EXTEND
         elif self.running or (self.overlap is not None and self.overlap.busy):
-            n = len(self.running)
             self.run_decode()
             mode = ForwardMode.DECODE
         else:
             return ForwardMode.IDLE
-        if self.trace is not None:
-            self.trace.record(wall, time.perf_counter() - t0, mode.name.lower(), n,
-                              len(self.running), len(self.waiting))
+        if trace is not None:  # an extend batch's tokens, a decode step's requests
+            n = (sum(e.num_tokens for e in batch.entries) if batch is not None
+                 else num_running)
+            trace.record(wall, time.perf_counter() - t0, mode.name.lower(), n,
+                         len(self.running), len(self.waiting))
         return mode
 
     def schedule_extend(self) -> ScheduleBatch | None:
