@@ -135,6 +135,7 @@ def _summary(bench: dict, cpu0: dict[str, float], cpu1: dict[str, float]) -> dic
 def run_served(args: argparse.Namespace, loads: tuple[Workload, ...], topo: str,
                report: dict) -> dict:
     from pdserve.bench.serve_check import independent_check
+    from pdserve.bench.serve_profile import Recorders
     from pdserve.engine.default_model import default_tokenizer_path
 
     t0 = time.perf_counter()
@@ -150,14 +151,21 @@ def run_served(args: argparse.Namespace, loads: tuple[Workload, ...], topo: str,
             cmd = [sys.executable, "-m", "pdserve", "bench", "--base-url", cluster.url,
                    *bench_args(w, args.seed, tok), "--json", "--no-progress"]
             client0 = _children_cpu_s()
+            spy = (Recorders(cluster.pids, os.path.join(args.out, "pyspy"), f"{topo}-{w.name}")
+                   if args.py_spy else None)
             t_start = time.time()
-            proc = _run(cmd, os.path.join(args.out, f"bench-{topo}-{w.name}.log"), 900)
+            try:
+                proc = _run(cmd, os.path.join(args.out, f"bench-{topo}-{w.name}.log"), 900)
+            finally:
+                profile = spy.stop() if spy is not None else None
             bench = json.loads(proc.stdout.strip().splitlines()[-1])
             result[w.name] = _summary(bench, cpu0, cluster.cpu())
             result[w.name].update(t_start=t_start, t_end=time.time())  # for the step traces
             # Its start-up (imports, the tokenizer) included: a bound, not a rate.
             result[w.name]["client_cpu_s"] = round(_children_cpu_s() - client0, 2)
             print(f"{topo} {w.name}: {json.dumps(result[w.name])}", flush=True)
+            if profile is not None:
+                report.setdefault("py_spy", {})[f"{topo}-{w.name}"] = profile
             if topo == "mixed" and w.name == "b" and not args.no_check:
                 # Prompts of another seed (same shape and prefix sharing): the bench's own
                 # would all hit the radix cache it just filled.

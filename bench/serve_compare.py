@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-trace", action="store_true",
                    help="every scheduler writes its steps to OUT/steps (PDSERVE_STEP_TRACE); "
                         "a table of them per workload comes before the ratios")
+    p.add_argument("--py-spy", action="store_true",
+                   help="py-spy on the router and every worker during each served workload "
+                        "(OUT/pyspy; a summary per process comes before the ratios)")
     p.add_argument("--budget-s", type=float, default=400.0,
                    help="start no phase past this many seconds (the table still comes)")
     args = p.parse_args(argv)
@@ -204,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = report_rows(steps_dir, windows_of_report(report))
         print("== scheduler steps per workload (bench/step_trace.py)")
         print(steps_table(rows) if rows else "(no steps recorded)", flush=True)
+    from pdserve.bench.serve_profile import table as spy_table
+
+    for name, procs in report.get("py_spy", {}).items():
+        print(f"== py-spy, {name} (bench/serve_profile.py)")
+        print("\n".join(spy_table(role, s) for role, s in procs.items()), flush=True)
     print(f"== serve-bench: {args.model_shape} on {report['offline'].get('gpu') or args.device}"
           f", {report['phases_s']['total']:.0f} s; logs and serve_bench.json in {args.out}")
     print(table(report), flush=True)

@@ -1,12 +1,12 @@
 """Staging for a message-based transport (ucx): a chunk cut into messages of at most
-`piece_bytes`, each gathered from the pool into a staging buffer on the sender and scattered
+`message_bytes`, each gathered from the pool into a staging buffer on the sender and scattered
 from one into the pool on the receiver.
 
-Two buffers per side, used in turn, so that the copy for one message overlaps the transport of
-the other: the sender gathers message k+1 while message k is on the wire; the receiver's
-scatter of message k (a GPU kernel) runs while message k+1 arrives in the other buffer. On a
-GPU a gather or scatter is one index kernel; on the host one memcpy per run of pages (numpy,
-GIL released).
+IN_FLIGHT (two) buffers per side, used in turn, so that the copy for one message overlaps the
+transport of the other: the sender gathers message k+1 while message k is on the wire (both
+travel at once); the receiver's scatter of message k (a GPU kernel) runs while message k+1
+arrives in the other buffer. On a GPU a gather or scatter is one index kernel; on the host one
+memcpy per run of pages (numpy, GIL released).
 """
 
 from __future__ import annotations
@@ -20,40 +20,63 @@ from pdserve.kernels.device import to_device
 from pdserve.kvtransfer.chunk_header import ChunkHeader
 from pdserve.kvtransfer.descriptors import DST, NUM, SRC, run_pages
 
-# A message costs UCX's cuda_ipc path far more than its bytes: one 4096-token Llama-3-8B request
-# (512 MiB) between two processes on one H200 moved at 51-55 GB/s as 64 MiB messages, 71-83 as
-# 256 MiB and 132-201 as one message (docs/performance.md). So a GPU chunk goes whole up to
-# 512 MiB (a 2,048-token prefill chunk of that model is 256 MiB).
+# A message costs UCX's cuda_ipc path about a millisecond beyond its bytes, one after another:
+# one 4096-token Llama-3-8B request (512 MiB) between two processes on one H200 moved at 51-55
+# GB/s as 64 MiB messages sent in turn, 71-83 as 256 MiB and 132-201 as one message
+# (docs/performance.md). So a GPU message is up to 512 MiB, and a chunk's messages are on the
+# wire together.
 GPU_PIECE_BYTES = 512 << 20
 HOST_PIECE_BYTES = 16 << 20
+IN_FLIGHT = 2  # messages on the wire at once (staging buffers per side)
+MIN_SPLIT_BYTES = 16 << 20  # a GPU chunk smaller than IN_FLIGHT of these goes as one message
 
 
 def piece_bytes(pool: torch.Tensor, configured: int) -> int:
-    """Bytes per message: the configured size, else the device's default; at least one page,
-    at most the pool (no chunk is larger)."""
+    """Bytes per message at most: the configured size, else the device's default; at least one
+    page, at most the pool (no chunk is larger)."""
     page = pool[0].numel() * pool.element_size()
     size = configured or (GPU_PIECE_BYTES if pool.is_cuda else HOST_PIECE_BYTES)
     return max(page, min(size, pool.numel() * pool.element_size()))
 
 
+def message_bytes(pool: torch.Tensor, configured: int, total: int,
+                  gpu: bool | None = None) -> int:
+    """Bytes per message for a chunk of `total` bytes. On a GPU, unless configured, the chunk
+    goes as IN_FLIGHT messages of equal size that travel together (a message's fixed cost is
+    latency, which the other's transfer hides; docs/performance.md), each at most
+    GPU_PIECE_BYTES; a small chunk goes whole. (`gpu` stands for `pool.is_cuda` in tests.)"""
+    gpu = pool.is_cuda if gpu is None else gpu
+    cap = GPU_PIECE_BYTES if gpu and not configured else piece_bytes(pool, configured)
+    if configured or not gpu or total < IN_FLIGHT * MIN_SPLIT_BYTES:
+        return cap
+    page = pool[0].numel() * pool.element_size()
+    pages = -(-total // page)
+    return max(page, min(cap, -(-pages // IN_FLIGHT) * page))
+
+
 def split(header: ChunkHeader, page_bytes: int, max_bytes: int) -> list[ChunkHeader]:
-    """The chunk as consecutive pieces of whole descriptors, each of at most `max_bytes` (a
-    larger descriptor alone); only the final piece keeps `last` and the aux data."""
+    """The chunk as consecutive pieces of at most `max_bytes` each (at least one page), a
+    descriptor cut where a piece ends inside it; only the final piece keeps `last` and the aux
+    data."""
     d = header.descs
     if len(d) == 0:
         return [header]
-    ends = np.cumsum(d[:, NUM]) * page_bytes
-    cuts, start, base = [], 0, 0
-    for i, end in enumerate(ends.tolist()):
-        if i > start and end - base > max_bytes:
-            cuts.append((start, i))
-            start, base = i, ends[i - 1]
-    cuts.append((start, len(d)))
+    room = max(1, max_bytes // page_bytes)  # pages per piece
+    groups: list[list[list[int]]] = [[]]
+    left = room
+    for src, dst, num, pos in d.tolist():
+        while num > 0:
+            if left == 0:
+                groups.append([])
+                left = room
+            k = min(num, left)
+            groups[-1].append([src, dst, k, pos])
+            src, dst, num, pos, left = src + k, dst + k, num - k, pos + k, left - k
     out = []
-    for k, (a, b) in enumerate(cuts):
-        final = k == len(cuts) - 1
-        out.append(ChunkHeader(header.room, header.seq, d[a:b], header.last and final,
-                               header.aux if final else None))
+    for k, rows in enumerate(groups):
+        final = k == len(groups) - 1
+        out.append(ChunkHeader(header.room, header.seq, np.asarray(rows, dtype=np.int64),
+                               header.last and final, header.aux if final else None))
     return out
 
 
@@ -110,17 +133,18 @@ def warm_copies(pool: torch.Tensor, stage: torch.Tensor) -> None:
 
 
 class RecvRing:
-    """The receiver's two staging buffers (bytes, grown on demand). On a GPU an event after
-    each scatter says when its buffer may take the next message."""
+    """The receiver's IN_FLIGHT staging buffers (bytes, grown on demand), used in turn. On a
+    GPU an event after each scatter says when its buffer may take the next message."""
 
     def __init__(self, pool: torch.Tensor) -> None:
         self._pool = pool
-        self._bufs: list[torch.Tensor | None] = [None, None]
-        self._events: list[torch.cuda.Event | None] = [None, None]
-        self._k = 0
+        self._bufs: list[torch.Tensor | None] = [None] * IN_FLIGHT
+        self._events: list[torch.cuda.Event | None] = [None] * IN_FLIGHT
+        self.current = 0
 
     async def next(self, nbytes: int) -> torch.Tensor:
-        b = self._k = (self._k + 1) % 2
+        """The next buffer in turn (`current` names it), once its last scatter finished."""
+        b = self.current = (self.current + 1) % IN_FLIGHT
         ev = self._events[b]
         while ev is not None and not ev.query():  # its previous scatter still runs
             await asyncio.sleep(0.0001)
@@ -130,10 +154,10 @@ class RecvRing:
                                               device=self._pool.device)
         return buf[:nbytes]
 
-    def scattered(self) -> None:
-        """Record that the current buffer's scatter was issued."""
+    def scattered(self, b: int) -> None:
+        """Record that buffer b's scatter was issued."""
         if self._pool.is_cuda:
-            ev = self._events[self._k] = self._events[self._k] or torch.cuda.Event()
+            ev = self._events[b] = self._events[b] or torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self._pool.device))
 
     def pages(self, buf: torch.Tensor) -> torch.Tensor:

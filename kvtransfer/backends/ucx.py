@@ -1,20 +1,22 @@
 """`ucx` backend over ucxx (tagged send/recv; UCX picks cuda_ipc/NVLink, RDMA, shm or TCP).
 
 ucxx has no one-sided put/get in Python (no memory handle or remote key), and each message
-costs tens of microseconds, so a chunk moves as a few large messages (staging.py): pieces of
-up to `stage_bytes`, each gathered into one of two staging buffers on the sender (or sent
-straight from the pool when its pages are one run) while the previous piece is on the wire,
-received into one of two staging buffers on the receiver and scattered into the destination
-pages once its header passed the room's checks. A rejected piece is received into staging and
-dropped: the pool is never written.
+costs tens of microseconds on the host and about a millisecond of latency between GPU
+processes, so a chunk moves as a few large messages (staging.py `message_bytes`), each
+gathered into one of IN_FLIGHT staging buffers on the sender (or sent straight from the pool
+when its pages are one run). Headers go in order on the endpoint's default tag; each payload
+goes under its own tag (a count both sides keep per endpoint) without waiting for the one
+before, so a chunk's messages are on the wire together. The receiver posts each payload's
+receive as its header comes, into one of IN_FLIGHT staging buffers, and lands the pieces in
+order: checked against the room, scattered into the destination pages. A rejected piece is
+received into staging and dropped: the pool is never written.
 
 The connection to a peer is made at handshake (`connect`), not on a request's path, and warmed
-with one message from each buffer a transfer uses (both staging buffers and the pool), so that
+with one message from each buffer a transfer uses (the staging buffers and the pool), so that
 UCX's endpoint wire-up, its registration caches and, on GPUs, the CUDA IPC mappings are in
 place before the first room.
 Threads: one asyncio loop thread per engine owns every ucxx object; write() runs on the
-caller's transfer thread, gathering pieces and handing them to a coroutine that sends them in
-order.
+caller's transfer thread, gathering pieces and handing them to a coroutine that sends them.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from typing import Any
 import torch
 
 from pdserve.kvtransfer.backends.staging import (
+    IN_FLIGHT,
     RecvRing,
     gather,
+    message_bytes,
     one_run,
     piece_bytes,
     scatter,
@@ -68,8 +72,11 @@ class UcxEngine(TransferEngine):
         self._thread.start()
         self._listener: Any = None
         self._eps: dict[str, Any] = {}  # sender: peer -> endpoint (loop thread only)
+        # sender: peer -> the tag of its endpoint's next payload (the receiver counts alike)
+        self._tags: dict[str, int] = {}
+        self._tags_lock = threading.Lock()
         self._recv_eps: list[Any] = []
-        self._stages: list[torch.Tensor] = []  # sender: two staging buffers (transfer thread)
+        self._stages: list[torch.Tensor] = []  # sender: IN_FLIGHT staging buffers (transfer thread)
 
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -87,14 +94,22 @@ class UcxEngine(TransferEngine):
         return {"host": self._host, "port": int(self._listener.port)}
 
     async def _serve(self, ep: Any, handler: ReceiveHandler) -> None:
+        """Headers in order; each payload's receive posted at once under its own tag (up to
+        IN_FLIGHT at a time) and landed in order by `_land` as it completes."""
         self._recv_eps.append(ep)
         pool = self.region("kv")
         page_bytes = pool[0].numel() * pool.element_size()
         max_bytes = pool.numel() * pool.element_size()
         ring = RecvRing(pool)
+        slots = asyncio.Semaphore(IN_FLIGHT)  # a payload's buffer is free once landed
+        landing: asyncio.Queue = asyncio.Queue()
+        lander = asyncio.ensure_future(self._land(landing, slots, ring, pool, handler, id(ep)))
+        seq = 0
         try:
             while True:
                 msg = bytes(await ep.recv_obj())
+                if lander.done():
+                    lander.result()  # raises what stopped it
                 if msg.startswith(WARM):
                     n = int.from_bytes(msg[len(WARM):], "little")
                     if n > max_bytes:
@@ -102,32 +117,52 @@ class UcxEngine(TransferEngine):
                     if n % page_bytes:
                         raise ValueError(f"warm-up of {n} bytes is not whole pages")
                     if n:
-                        buf = await ring.next(n)
-                        await ep.recv(_buf(buf))
-                        warm_copies(pool, ring.pages(buf))
+                        async with slots:
+                            buf = await ring.next(n)
+                            await ep.recv(_buf(buf), tag=seq)
+                            seq += 1
+                            warm_copies(pool, ring.pages(buf))
                     continue
                 header = ChunkHeader.from_bytes(msg)
                 nbytes = [n * page_bytes for n in header.descs[:, NUM].tolist()]
                 total = sum(nbytes)
                 if total > max_bytes:
                     raise ValueError(f"chunk of {total} bytes exceeds the pool")
+                await slots.acquire()
                 buf = await ring.next(total)
+                recv = None
                 if total:
-                    await ep.recv(_buf(buf))
-                stage = ring.pages(buf)
-
-                def _write(views: list[torch.Tensor], stage: torch.Tensor = stage,
-                           header: ChunkHeader = header) -> None:
-                    del views  # the same pages, scattered in one pass
-                    scatter(stage, pool, header.descs)
-                    ring.scattered()
-
-                handler.place_chunk(f"ucx:{id(ep)}", header, nbytes, _write)
+                    recv = asyncio.ensure_future(ep.recv(_buf(buf), tag=seq))
+                    seq += 1
+                landing.put_nowait((recv, header, nbytes, ring.pages(buf), ring.current))
         except ValueError as e:  # a malformed or oversized message: this peer is cut off
             log.warning("ucx: closing a sender's endpoint: %s", e)
             await ep.close()
         except Exception as e:  # noqa: BLE001 - the peer went away
             log.debug("ucx receive endpoint closed: %s", e)
+        finally:
+            lander.cancel()
+
+    @staticmethod
+    async def _land(landing: asyncio.Queue, slots: asyncio.Semaphore, ring: RecvRing,
+                    pool: torch.Tensor, handler: ReceiveHandler, who: int) -> None:
+        """Each received piece in arrival order of its header: checked against its room and
+        scattered into the pool (or dropped), then its buffer handed back."""
+        while True:
+            recv, header, nbytes, stage, b = await landing.get()
+            try:
+                if recv is not None:
+                    await recv
+
+                def _write(views: list[torch.Tensor], stage: torch.Tensor = stage,
+                           header: ChunkHeader = header, b: int = b) -> None:
+                    del views  # the same pages, scattered in one pass
+                    scatter(stage, pool, header.descs)
+                    ring.scattered(b)
+
+                handler.place_chunk(f"ucx:{who}", header, nbytes, _write)
+            finally:
+                slots.release()
 
     # -- sending --------------------------------------------------------------------------
     async def _endpoint(self, peer: str, info: dict[str, Any]) -> Any:
@@ -135,14 +170,22 @@ class UcxEngine(TransferEngine):
         if ep is None or ep.closed:
             ep = await self._ucxx.create_endpoint(info["host"], int(info["port"]))
             self._eps[peer] = ep
+            with self._tags_lock:
+                self._tags[peer] = 0  # a new endpoint: the receiver counts from 0
         return ep
+
+    def _tag(self, peer: str) -> int:
+        with self._tags_lock:
+            tag = self._tags.get(peer, 0)
+            self._tags[peer] = tag + 1
+        return tag
 
     def _staging(self, pool: torch.Tensor, b: int, pages: int) -> torch.Tensor:
         if not self._stages:
             n = max(1, piece_bytes(pool, self._stage_bytes) // (pool[0].numel()
                                                                  * pool.element_size()))
             self._stages = [torch.empty((n, *pool.shape[1:]), dtype=pool.dtype,
-                                        device=pool.device) for _ in range(2)]
+                                        device=pool.device) for _ in range(IN_FLIGHT)]
         if self._stages[b].shape[0] < pages:  # one descriptor larger than a piece
             self._stages[b] = torch.empty((pages, *pool.shape[1:]), dtype=pool.dtype,
                                           device=pool.device)
@@ -153,14 +196,14 @@ class UcxEngine(TransferEngine):
         on the engine's loop; the returned future says when. The warm-up only reads the
         buffers: a gather for another peer meanwhile changes nothing the receiver keeps."""
         pool = self.region("kv")
-        warm = [self._staging(pool, 0, 1), self._staging(pool, 1, 1), pool[:1]]
+        warm = [*(self._staging(pool, b, 1) for b in range(IN_FLIGHT)), pool[:1]]
         warm_copies(pool, warm[0])
 
         async def _warm() -> None:
             ep = await self._endpoint(peer, peer_info)
             for t in warm:
                 await ep.send_obj(WARM + (t.numel() * t.element_size()).to_bytes(8, "little"))
-                await ep.send(_buf(t))
+                await ep.send(_buf(t), tag=self._tag(peer))
 
         async def _go() -> None:
             try:
@@ -174,31 +217,42 @@ class UcxEngine(TransferEngine):
         return asyncio.run_coroutine_threadsafe(_go(), self._loop)
 
     async def _pump(self, ep: Any, q: asyncio.Queue) -> None:
-        """Send queued (header, payload, sent-event) items in order."""
+        """Send queued (header, payload, tag, sent-event) items: headers in order, each payload
+        under its own tag without waiting for the one before (so up to IN_FLIGHT messages, one
+        per staging buffer, are on the wire at once: a message's fixed cost overlaps the
+        other's transfer)."""
+        sends = []
         while (item := await q.get()) is not None:
-            header, payload, sent = item
+            header, payload, tag, sent = item
             await ep.send_obj(header)
-            if payload is not None and payload.numel():
-                await ep.send(_buf(payload))
-            sent.set()
+            if payload is None:
+                sent.set()
+                continue
+            task = asyncio.ensure_future(ep.send(_buf(payload), tag=tag))
+            task.add_done_callback(lambda _t, sent=sent: sent.set())
+            sends.append(task)
+        await asyncio.gather(*sends)
 
     def write(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> None:
         pool = self.region("kv")
         page_bytes = pool[0].numel() * pool.element_size()
-        pieces = split_pieces(header, page_bytes, piece_bytes(pool, self._stage_bytes))
+        total = int(header.descs[:, NUM].sum()) * page_bytes
+        pieces = split_pieces(header, page_bytes,
+                              message_bytes(pool, self._stage_bytes, total))
         deadline = time.monotonic() + self._timeout
         ep = self._run(self._endpoint(peer, peer_info), self._timeout)
         q: asyncio.Queue = asyncio.Queue()
         pump = asyncio.run_coroutine_threadsafe(self._pump(ep, q), self._loop)
-        sent = [threading.Event(), threading.Event()]  # staging buffer b is free again
+        sent = [threading.Event() for _ in range(IN_FLIGHT)]  # staging buffer b is free again
         try:
             for k, piece in enumerate(pieces):
-                b = k % 2
-                if k >= 2:
+                b = k % IN_FLIGHT
+                if k >= IN_FLIGHT:
                     self._wait(sent[b], pump, deadline)
                 sent[b].clear()
                 payload = self._stage(pool, piece, b)
-                self._loop.call_soon_threadsafe(q.put_nowait, (piece.to_bytes(), payload,
+                tag = None if payload is None else self._tag(peer)
+                self._loop.call_soon_threadsafe(q.put_nowait, (piece.to_bytes(), payload, tag,
                                                                sent[b]))
             self._loop.call_soon_threadsafe(q.put_nowait, None)
             pump.result(max(0.0, deadline - time.monotonic()))

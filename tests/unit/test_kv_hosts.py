@@ -13,7 +13,12 @@ import torch
 
 from pdserve.kvtransfer import AuxData, TransferConfig
 from pdserve.kvtransfer.backends.staging import (
+    GPU_PIECE_BYTES,
+    HOST_PIECE_BYTES,
+    IN_FLIGHT,
+    MIN_SPLIT_BYTES,
     gather,
+    message_bytes,
     one_run,
     piece_bytes,
     scatter,
@@ -22,7 +27,7 @@ from pdserve.kvtransfer.backends.staging import (
 )
 from pdserve.kvtransfer.chunk_header import ChunkHeader
 from pdserve.kvtransfer.config import add_transfer_args, transfer_config_from_args
-from pdserve.kvtransfer.descriptors import merge_runs
+from pdserve.kvtransfer.descriptors import DST, NUM, POS, SRC, merge_runs, run_pages
 from pdserve.kvtransfer.hosts import choose_backend, host_id, machine_id, offers_for
 
 A, B = "node-a/boot-1", "node-b/boot-2"
@@ -103,16 +108,19 @@ def test_host_identity_and_its_override() -> None:
         TransferConfig(stage_bytes=-1)
 
 
-def test_pieces_hold_whole_descriptors_and_only_the_last_carries_aux() -> None:
+def test_pieces_cover_the_pages_in_order_and_only_the_last_carries_aux() -> None:
     rng = random.Random(3)
     src, dst = rng.sample(range(1, 200), 40), rng.sample(range(1, 200), 40)
-    d = merge_runs(src, dst, pos=0, max_pages=4)
+    d = np.concatenate([merge_runs(src, dst, pos=0, max_pages=4),
+                        merge_runs(range(300, 310), range(400, 410), pos=40)])  # a 10-page run
     aux = AuxData(7, -1.5, 3)
     pieces = split(ChunkHeader(9, 2, d, True, aux), page_bytes=100, max_bytes=350)
-    assert len(pieces) > 1
-    assert np.array_equal(np.concatenate([p.descs for p in pieces]), d)
-    for p in pieces:  # at most 3 pages (350 bytes), or one descriptor alone
-        assert p.descs[:, 2].sum() * 100 <= 350 or len(p.descs) == 1
+    assert len(pieces) == -(-50 // 3)  # 3 pages each (350 bytes), the long run cut
+    got = np.concatenate([p.descs for p in pieces])
+    for col in (SRC, DST, POS):  # page by page, the same pages at the same positions
+        assert np.array_equal(run_pages(got, col), run_pages(d, col))
+    for p in pieces:
+        assert p.descs[:, NUM].sum() * 100 <= 350 and p.descs.dtype == np.int64
         assert (p.room, p.seq) == (9, 2)
     assert [p.last for p in pieces] == [False] * (len(pieces) - 1) + [True]
     assert [p.aux for p in pieces] == [None] * (len(pieces) - 1) + [aux]
@@ -120,6 +128,18 @@ def test_pieces_hold_whole_descriptors_and_only_the_last_carries_aux() -> None:
     assert not any(p.last for p in not_last)
     empty = ChunkHeader(9, 3, d[:0], True, aux)
     assert split(empty, 100, 350) == [empty]
+    assert len(split(ChunkHeader(9, 4, d, True, None), 100, 1)) == 50  # at least a page each
+
+
+def test_gpu_chunks_go_as_messages_in_flight_together() -> None:
+    pool = torch.empty(65536, 1024, dtype=torch.uint8)  # 1 KiB pages, 64 MiB in all
+    page, mib = 1024, 1 << 20
+    assert message_bytes(pool, 0, 4 * mib) == HOST_PIECE_BYTES  # host: the fixed size
+    assert message_bytes(pool, 0, 4 * mib, gpu=True) == GPU_PIECE_BYTES  # small: whole
+    big = IN_FLIGHT * MIN_SPLIT_BYTES + page  # a page over: halves, rounded up to pages
+    assert message_bytes(pool, 0, big, gpu=True) == (MIN_SPLIT_BYTES // page + 1) * page
+    assert message_bytes(pool, 0, 4 * GPU_PIECE_BYTES, gpu=True) == GPU_PIECE_BYTES
+    assert message_bytes(pool, 3 * page, big, gpu=True) == 3 * page  # configured wins
 
 
 def test_gather_then_scatter_moves_exactly_the_pages() -> None:
