@@ -9,6 +9,7 @@ Errors never raise: they end up in `RequestResult.error`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from pdserve.bench.http_stream import HttpStreamPool
 from pdserve.bench.serve_config import BenchConfig
 from pdserve.bench.serve_workload import BenchRequest
 
@@ -72,15 +74,22 @@ def _chunk_text(obj: dict, chat: bool) -> str:
 
 
 class HttpBenchClient:
-    """OpenAI-compatible streaming over one shared httpx.AsyncClient."""
+    """OpenAI-compatible streaming over keep-alive connections (http_stream.py; httpx for
+    https URLs)."""
 
     def __init__(self, cfg: BenchConfig, model: str) -> None:
         self.cfg = cfg
         self.model = model
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self.http = httpx.AsyncClient(base_url=cfg.base_url, headers=headers, limits=limits,
-                                      timeout=httpx.Timeout(cfg.request_timeout_s))
+        self.pool: HttpStreamPool | None = None
+        self.http: httpx.AsyncClient | None = None
+        if cfg.base_url.startswith("http://"):
+            self.pool = HttpStreamPool(cfg.base_url, headers)
+        else:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            self.http = httpx.AsyncClient(base_url=cfg.base_url, headers=headers,
+                                          limits=limits,
+                                          timeout=httpx.Timeout(cfg.request_timeout_s))
 
     def body(self, req: BenchRequest) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "max_tokens": req.output_len,
@@ -97,34 +106,64 @@ class HttpBenchClient:
         texts: list[str] = []
         t0 = time.perf_counter()
         try:
-            async with self.http.stream("POST", path, json=self.body(req)) as resp:
-                if resp.status_code != 200:
-                    res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                    return
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    now = time.perf_counter() - t0
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        res.error = str(obj["error"].get("message", obj["error"]))[:200]
-                        continue
-                    text = _chunk_text(obj, self.cfg.chat)
-                    if text:
-                        texts.append(text)
-                        res.chunk_times.append(now)
-                    if obj.get("usage"):
-                        self._finish(obj, res)
-        except (httpx.HTTPError, OSError, ValueError) as e:
+            if self.pool is not None:
+                await asyncio.wait_for(self._send_pooled(path, req, res, texts, t0),
+                                       self.cfg.request_timeout_s)
+            else:
+                await self._send_httpx(path, req, res, texts, t0)
+        except (httpx.HTTPError, OSError, ValueError, EOFError, asyncio.TimeoutError) as e:
             res.error = f"{type(e).__name__}: {e}"[:200]
         finally:
             res.end_s = time.perf_counter() - t0
             res.chunk_tokens = allocate_tokens(texts, res.completion_tokens or len(texts))
             if res.error is None and not texts:
                 res.error = "no output tokens"
+
+    async def _send_pooled(self, path: str, req: BenchRequest, res: RequestResult,
+                           texts: list[str], t0: float) -> None:
+        assert self.pool is not None
+        resp, conn = await self.pool.post(path, self.body(req))
+        try:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
+                return
+            done = False
+            async for line in resp.lines():  # to the end: the connection is then reused
+                if not done:
+                    done = self._line(line, res, texts, t0)
+        finally:
+            self.pool.release(resp, conn)
+
+    async def _send_httpx(self, path: str, req: BenchRequest, res: RequestResult,
+                          texts: list[str], t0: float) -> None:
+        assert self.http is not None
+        async with self.http.stream("POST", path, json=self.body(req)) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return
+            async for line in resp.aiter_lines():
+                if self._line(line, res, texts, t0):
+                    break
+
+    def _line(self, line: str, res: RequestResult, texts: list[str], t0: float) -> bool:
+        """One SSE line into the result; True at `[DONE]`."""
+        if not line.startswith("data:"):
+            return False
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return True
+        now = time.perf_counter() - t0
+        obj = json.loads(data)
+        if "error" in obj:
+            res.error = str(obj["error"].get("message", obj["error"]))[:200]
+            return False
+        text = _chunk_text(obj, self.cfg.chat)
+        if text:
+            texts.append(text)
+            res.chunk_times.append(now)
+        if obj.get("usage"):
+            self._finish(obj, res)
+        return False
 
     @staticmethod
     def _finish(obj: dict, res: RequestResult) -> None:
@@ -140,7 +179,10 @@ class HttpBenchClient:
             res.decode_worker = extras[0].get("decode_worker") or ""
 
     async def close(self) -> None:
-        await self.http.aclose()
+        if self.pool is not None:
+            await self.pool.close()
+        if self.http is not None:
+            await self.http.aclose()
 
 
 class GrpcBenchClient:

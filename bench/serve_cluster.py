@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from pdserve.bench.serve_compare import Workload, bench_args
+from pdserve.bench.serve_compare import Workload, bench_args, workload_seed
 
 TOPOLOGIES = {"mixed": ("0", "0", "1"), "pd": ("1", "1", "0")}  # prefill, decode, mixed
 _CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -143,13 +143,14 @@ def run_served(args: argparse.Namespace, loads: tuple[Workload, ...], topo: str,
     cluster = Cluster(args, topo)
     result: dict = {"ready_s": cluster.ready_s}
     try:
-        for w in loads:
+        for i, w in enumerate(loads):
+            seed = workload_seed(args.seed, i)
             if time.perf_counter() > args.deadline:
                 result[w.name] = {"skipped": "out of the time budget"}
                 continue
             cpu0 = cluster.cpu()
             cmd = [sys.executable, "-m", "pdserve", "bench", "--base-url", cluster.url,
-                   *bench_args(w, args.seed, tok), "--json", "--no-progress"]
+                   *bench_args(w, seed, tok), "--json", "--no-progress"]
             client0 = _children_cpu_s()
             spy = (Recorders(cluster.pids, os.path.join(args.out, "pyspy"), f"{topo}-{w.name}")
                    if args.py_spy else None)
@@ -169,7 +170,7 @@ def run_served(args: argparse.Namespace, loads: tuple[Workload, ...], topo: str,
             if topo == "mixed" and w.name == "b" and not args.no_check:
                 # Prompts of another seed (same shape and prefix sharing): the bench's own
                 # would all hit the radix cache it just filled.
-                report["check"] = independent_check(cluster.url, w, args.seed + 1, args.out)
+                report["check"] = independent_check(cluster.url, w, seed + 1, args.out)
                 report["check"]["bench_tok_s"] = result[w.name]["output_tok_s"]
                 print(f"check: {json.dumps(report['check'])}", flush=True)
     finally:

@@ -89,6 +89,12 @@ def parse_workloads(spec: str) -> tuple[Workload, ...]:
     return tuple(out)
 
 
+def workload_seed(seed: int, index: int) -> int:
+    """The prompt seed of the index-th workload: each its own prompts (no workload's prompts
+    hit another's in the radix cache, offline or served), `+ 1` left for a second set."""
+    return seed + 10 * index
+
+
 def bench_args(w: Workload, seed: int, tokenizer: str) -> list[str]:
     """`pdserve bench` flags of workload `w` (prompts as exact token ids)."""
     return ["--num-prompts", str(w.num_prompts), "--max-concurrency", str(w.clients),

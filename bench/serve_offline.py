@@ -23,7 +23,13 @@ import time
 
 import torch
 
-from pdserve.bench.serve_compare import Workload, add_workload_args, prompts, workloads_of
+from pdserve.bench.serve_compare import (
+    Workload,
+    add_workload_args,
+    prompts,
+    workload_seed,
+    workloads_of,
+)
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - t0
     device = llm.scheduler.runner.device
     warm = llm.warm_up()
-    llm.generate([prompts(loads[0], args.seed + 2)[0]], _greedy(2))  # the longest prefill
+    llm.generate([prompts(loads[0], args.seed + 5)[0]], _greedy(2))  # the longest prefill
     weight_bytes = sum(t.numel() * t.element_size() for t in
                        {id(q): q for q in llm.scheduler.runner.model.parameters()}.values())
     bw = copy_bandwidth(device)
@@ -93,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
               "load_s": load_s, "warmup_s": sum(warm.values()),
               "weights_gb": weight_bytes / 1e9, "copy_gb_s": bw / 1e9,
               "roofline_ms": weight_bytes / bw * 1e3, "workloads": {}}
-    for w in loads:
+    for i, w in enumerate(loads):
         run = one_client if w.clients == 1 else many_clients
         t_start = time.time()
-        result["workloads"][w.name] = run(llm, w, args.seed)
+        result["workloads"][w.name] = run(llm, w, workload_seed(args.seed, i))
         # Wall-clock edges, for the step traces (bench/step_trace.py).
         result["workloads"][w.name].update(t_start=t_start, t_end=time.time())
         print(f"offline {w.name}: {json.dumps(result['workloads'][w.name])}", flush=True)
