@@ -15,7 +15,14 @@ import grpc
 
 from pdserve.engine.stop import TextStream
 from pdserve.proto import pdserve_pb2 as pb
-from pdserve.router.events import FlowEvent, TokenLogprob, Usage, merge_timings, timings_to_dict
+from pdserve.router.events import (
+    AbortSignal,
+    FlowEvent,
+    TokenLogprob,
+    Usage,
+    merge_timings,
+    timings_to_dict,
+)
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -59,7 +66,7 @@ class Attempt:
     prefill_req: pb.PrefillRequest | None
     decode_req: pb.DecodeRequest
     text: TextStream
-    abort_event: asyncio.Event
+    abort_event: AbortSignal
     dispatch: float
     sent_tokens: bool = False
     decision: DisaggDecision | None = None
@@ -90,8 +97,7 @@ class Attempt:
             w.inflight += 1
         finished_by_worker = False
         prefill_task: asyncio.Task | None = None
-        abort_wait = asyncio.ensure_future(self.abort_event.wait())
-        abort_wait.add_done_callback(self._on_abort)
+        unsubscribe = None
         self._last_heard = time.monotonic()
         try:
             if self.prefill is not None:
@@ -102,6 +108,7 @@ class Attempt:
             self._decode_call = self.decode.open().Decode(self.decode_req, timeout=timeout,
                                                           metadata=self.decode.metadata)
             self._watchdog = loop.call_later(LIVENESS_CHECK_S, self._watch, prefill_task)
+            unsubscribe = self.abort_event.subscribe(lambda: self._interrupt_with("abort"))
             while True:
                 msg = await self._read()
                 if prefill_task is not None and prefill_task.done():
@@ -135,9 +142,10 @@ class Attempt:
             self._finishing = True
             if self._watchdog is not None:
                 self._watchdog.cancel()
-            for task in (prefill_task, abort_wait):
-                if task is not None and not task.done():
-                    task.cancel()
+            if unsubscribe is not None:
+                unsubscribe()
+            if prefill_task is not None and not prefill_task.done():
+                prefill_task.cancel()
             if self._decode_call is not None and not finished_by_worker:
                 self._decode_call.cancel()
             for w in legs:
@@ -182,10 +190,6 @@ class Attempt:
         self._interrupt = why
         if self._decode_call is not None:
             self._decode_call.cancel()
-
-    def _on_abort(self, task: asyncio.Task) -> None:
-        if not task.cancelled():
-            self._interrupt_with("abort")
 
     def _on_prefill(self, task: asyncio.Task) -> None:
         if self._finishing or self._prefill_seen:

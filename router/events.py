@@ -2,10 +2,43 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto.rpc import token_chunk
+
+
+class AbortSignal:
+    """A request's abort (Router.Abort, or the client went away): set once; what subscribed
+    is called then, or at once when subscribing after it. Callbacks, not an asyncio.Event:
+    waiting on an Event would take a task per request for its whole life."""
+
+    __slots__ = ("_set", "_callbacks")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        if self._set:
+            return
+        self._set = True
+        callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb()
+
+    def subscribe(self, cb: Callable[[], None]) -> Callable[[], None]:
+        """Call `cb` at set (now, if already set); returns what unsubscribes it."""
+        if self._set:
+            cb()
+            return lambda: None
+        self._callbacks.append(cb)
+        return lambda: self._callbacks.remove(cb) if cb in self._callbacks else None
+
 
 TIMING_FIELDS = ("queue_ms", "bootstrap_ms", "prefill_ms", "transfer_ms", "decode_ms", "ttft_ms")
 

@@ -31,7 +31,7 @@ from pdserve.router.attempt import Attempt, LegFailure
 from pdserve.router.config import RouterConfig
 from pdserve.router.disagg import DisaggDecision, DisaggPolicy
 from pdserve.router.errors import InvalidRequest, NoWorkers, RequestTimeout, UpstreamFailed
-from pdserve.router.events import FlowEvent
+from pdserve.router.events import AbortSignal, FlowEvent
 from pdserve.router.policies import Policy
 from pdserve.router.prepare import PreparedRequest, eos_token_ids
 from pdserve.router.registry import Registry, WorkerEntry
@@ -57,7 +57,7 @@ class RequestFlow:
         self.gate = QueueGate(config.max_queued_requests, registry)
         self.slo = SloDispatcher(config.slo_ttft_ms, config.slo_itl_ms) \
             if config.slo_ttft_ms > 0 else None
-        self._active: dict[str, asyncio.Event] = {}
+        self._active: dict[str, AbortSignal] = {}
         self._background: set[asyncio.Task] = set()
 
     def decode_token(self, token_id: int) -> str:
@@ -109,7 +109,7 @@ class RequestFlow:
             raise InvalidRequest(f"request_id: {req.request_id!r} is already running",
                                  param="request_id")
         self.gate.admit()
-        abort_event = asyncio.Event()
+        abort_event = AbortSignal()
         self._active[req.request_id] = abort_event
         exclude: set[str] = set()
         last_failure: LegFailure | None = None
@@ -161,7 +161,7 @@ class RequestFlow:
             self.gate.finished()
 
     def _make_attempt(self, req: PreparedRequest, prefill: WorkerEntry | None,
-                      decode: WorkerEntry, abort_event: asyncio.Event) -> Attempt:
+                      decode: WorkerEntry, abort_event: AbortSignal) -> Attempt:
         room = secrets.randbits(63)
         sampling = sampling_to_proto(req.sampling)
         prefill_req = None
