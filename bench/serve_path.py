@@ -1,6 +1,7 @@
-"""CPU time of the serving path per streamed token: a cluster whose engine is cheap (the `tiny`
-shape, random weights) under `pdserve bench` at a given concurrency, with the router's and the
-worker's CPU seconds (from /proc) divided by the output tokens.
+"""CPU time of the serving path per streamed token and per request: a cluster whose engine is
+cheap (the `tiny` shape, random weights) under `pdserve bench` at a given concurrency, with the
+router's and the worker's CPU seconds (from /proc) divided by the output tokens and by the
+requests (`--output-len 1` makes the per-request cost the whole of it).
 
     python -m pdserve.bench.serve_path [--clients 64] [--num-prompts 384] [--topology mixed]
 
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
            "failed": bench["failed"], "ttft_p50_ms": round(bench["ttft_ms"]["p50"], 1),
            "itl_p50_ms": round(bench["itl_ms"]["p50"], 2),
            **{f"{role}_us_per_token": round((cpu1[role] - cpu0[role]) / tokens * 1e6, 1)
+              for role in cpu1},
+           **{f"{role}_us_per_request": round((cpu1[role] - cpu0[role])
+                                              / max(1, bench["completed"]) * 1e6)
               for role in cpu1}}
     print(json.dumps(out))
     with open(os.path.join(args.out, "serve_path.json"), "w", encoding="utf-8") as f:
