@@ -2,6 +2,8 @@
 
 It emits a fixed token sequence (cycled) up to max_tokens, records every call and every Abort,
 and fails on demand: the next N Prefill/Decode calls, a Decode after K tokens, or its health.
+As a real decode worker, a Decode with a bootstrap room sends no token before its room's
+prefill succeeded (the KV comes from there): a failed prefill is never outrun by decode tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +19,14 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.server import RouterServer
+
+
+PREFILL_WAIT_S = 10.0
+_prefilled: dict[int, asyncio.Event] = {}  # room -> set once its prefill answered
+
+
+def _room(room: int) -> asyncio.Event:
+    return _prefilled.setdefault(room, asyncio.Event())
 
 
 @dataclass
@@ -79,6 +89,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
         if self.fail_prefill > 0:
             self.fail_prefill -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "injected prefill failure")
+        _room(request.room).set()
         return pb.PrefillResponse(
             request_id=request.request_id, cached_tokens=self.cached_tokens,
             timings=pb.StageTimings(queue_ms=1.0, bootstrap_ms=2.0, prefill_ms=3.0))
@@ -88,6 +99,13 @@ class FakeWorker(pb_grpc.WorkerServicer):
         if self.fail_decode > 0:
             self.fail_decode -= 1
             await context.abort(self.fail_code, "injected decode failure")
+        if request.bootstrap_addr:  # its KV comes from a prefill worker
+            try:
+                await asyncio.wait_for(_room(request.room).wait(), PREFILL_WAIT_S)
+            except asyncio.TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no KV for the room")
+            finally:
+                _prefilled.pop(request.room, None)
         sp = request.sampling
         max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 16
         want_lp = sp.HasField("logprobs")
