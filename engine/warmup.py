@@ -14,7 +14,11 @@ The paths, each timed into the returned report (seconds; the tests check the nam
 - `prefill`: fresh prompts of several lengths in one extend batch (FlashInfer's ragged prefill);
 - `prefill_cached_prefix`: a prompt whose prefix the radix cache holds (the paged prefill);
 - `decode`: decode steps with greedy, seeded top-k/top-p, penalties and logprobs in one batch;
-- `decode_overlap`: greedy decode steps alone (the overlapped loop on CUDA).
+- `decode_overlap`: greedy decode steps alone (the overlapped loop on CUDA);
+- `prefill_sizes` (CUDA): extend batches of the chunk budget's size, one token less, and a few
+  sizes between that are not multiples of 16. The Triton GEMMs compile a variant per row-count
+  class (tile config, a split last wave, divisibility): served, the first 512-token extend
+  otherwise spent 1.24 s compiling one on an H200.
 The warm-up requests' KV goes back and the radix cache is emptied: the worker starts with every
 page free and nothing cached, as if it had never run.
 """
@@ -35,7 +39,16 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 
 WARMUP_PATHS = ("weight_packing", "cpu_decode_kernel", "cuda_graphs", "prefill",
-                "prefill_cached_prefix", "decode", "decode_overlap")
+                "prefill_cached_prefix", "decode", "decode_overlap", "prefill_sizes")
+EXTEND_SIZES = (513, 777, 1000, 1537)  # besides the chunk budget and one less
+
+
+def extend_batches(chunk: int, max_len: int, free_tokens: int) -> list[list[int]]:
+    """Prompt lengths per warm-up extend batch: each batch's lengths (each at most `max_len`)
+    sum to one of the sizes `prefill_sizes` warms, all at most `chunk` and half the free KV."""
+    cap = min(chunk, free_tokens // 2)
+    sizes = sorted({n for n in (*EXTEND_SIZES, chunk - 1, chunk) if 1 < n <= cap})
+    return [[max_len] * (n // max_len) + ([n % max_len] if n % max_len else []) for n in sizes]
 
 
 def _pack_weights(model: torch.nn.Module) -> int:
@@ -109,6 +122,17 @@ def warm_up(scheduler: Scheduler, log: Callable[[str], None] | None = None
     timed("decode_overlap", lambda: run.run([run.prompt(24) for _ in range(2)],
                                             [SamplingParams(max_tokens=8, temperature=0.0,
                                                             ignore_eos=True)] * 2))
+    if runner.device.type == "cuda":
+        one = SamplingParams(max_tokens=1, ignore_eos=True)
+        free = memory.stats().kv_pages_free * memory.page_size
+        batches = extend_batches(scheduler.config.chunked_prefill_size, max_len, free)
+
+        def sizes() -> None:
+            for lens in batches:
+                run.run([run.prompt(n) for n in lens], [one] * len(lens))
+                memory.tree.reset()  # each batch fresh: no prefix of another
+
+        timed("prefill_sizes", sizes)
     memory.tree.reset()
     stats = memory.stats()
     if stats.kv_pages_free != stats.kv_pages_total:

@@ -20,11 +20,11 @@ from pdserve.kernels.device import to_device
 from pdserve.kvtransfer.chunk_header import ChunkHeader
 from pdserve.kvtransfer.descriptors import DST, NUM, SRC, run_pages
 
-# A message costs UCX's cuda_ipc path about a millisecond beyond its bytes, one after another:
-# one 4096-token Llama-3-8B request (512 MiB) between two processes on one H200 moved at 51-55
-# GB/s as 64 MiB messages sent in turn, 71-83 as 256 MiB and 132-201 as one message
-# (docs/performance.md). So a GPU message is up to 512 MiB, and a chunk's messages are on the
-# wire together.
+# A message costs UCX's cuda_ipc path about a millisecond beyond its bytes: one 4096-token
+# Llama-3-8B request (512 MiB) between two processes on one H200 moved at 51-55 GB/s as 64 MiB
+# messages sent in turn, 71-83 as 256 MiB and 132-207 as one message (docs/performance.md). So
+# a GPU message is up to 512 MiB, a chunk's messages are on the wire together, and only a
+# chunk that needs a gather is cut in two (message_bytes).
 GPU_PIECE_BYTES = 512 << 20
 HOST_PIECE_BYTES = 16 << 20
 IN_FLIGHT = 2  # messages on the wire at once (staging buffers per side)
@@ -39,15 +39,18 @@ def piece_bytes(pool: torch.Tensor, configured: int) -> int:
     return max(page, min(size, pool.numel() * pool.element_size()))
 
 
-def message_bytes(pool: torch.Tensor, configured: int, total: int,
+def message_bytes(pool: torch.Tensor, configured: int, total: int, contiguous: bool = False,
                   gpu: bool | None = None) -> int:
-    """Bytes per message for a chunk of `total` bytes. On a GPU, unless configured, the chunk
-    goes as IN_FLIGHT messages of equal size that travel together (a message's fixed cost is
-    latency, which the other's transfer hides; docs/performance.md), each at most
-    GPU_PIECE_BYTES; a small chunk goes whole. (`gpu` stands for `pool.is_cuda` in tests.)"""
+    """Bytes per message for a chunk of `total` bytes. On a GPU, unless configured, a chunk
+    whose pages must be gathered goes as IN_FLIGHT messages of equal size, so that the gather
+    of one overlaps the other's transfer (135 -> 142 GB/s for a scattered 4096-token request);
+    one that is a single run of pages (sent from the pool, nothing to gather) goes whole, one
+    message being cheaper (207 against 186 GB/s as halves; docs/performance.md). Each message
+    is at most GPU_PIECE_BYTES; a small chunk goes whole. (`gpu` stands for `pool.is_cuda` in
+    tests.)"""
     gpu = pool.is_cuda if gpu is None else gpu
     cap = GPU_PIECE_BYTES if gpu and not configured else piece_bytes(pool, configured)
-    if configured or not gpu or total < IN_FLIGHT * MIN_SPLIT_BYTES:
+    if configured or not gpu or contiguous or total < IN_FLIGHT * MIN_SPLIT_BYTES:
         return cap
     page = pool[0].numel() * pool.element_size()
     pages = -(-total // page)

@@ -237,8 +237,9 @@ class UcxEngine(TransferEngine):
         pool = self.region("kv")
         page_bytes = pool[0].numel() * pool.element_size()
         total = int(header.descs[:, NUM].sum()) * page_bytes
+        whole = len(header.descs) > 0 and one_run(run_pages(header.descs, SRC))
         pieces = split_pieces(header, page_bytes,
-                              message_bytes(pool, self._stage_bytes, total))
+                              message_bytes(pool, self._stage_bytes, total, contiguous=whole))
         deadline = time.monotonic() + self._timeout
         ep = self._run(self._endpoint(peer, peer_info), self._timeout)
         q: asyncio.Queue = asyncio.Queue()

@@ -140,6 +140,7 @@ def test_gpu_chunks_go_as_messages_in_flight_together() -> None:
     assert message_bytes(pool, 0, big, gpu=True) == (MIN_SPLIT_BYTES // page + 1) * page
     assert message_bytes(pool, 0, 4 * GPU_PIECE_BYTES, gpu=True) == GPU_PIECE_BYTES
     assert message_bytes(pool, 3 * page, big, gpu=True) == 3 * page  # configured wins
+    assert message_bytes(pool, 0, big, contiguous=True, gpu=True) == GPU_PIECE_BYTES  # whole
 
 
 def test_gather_then_scatter_moves_exactly_the_pages() -> None:

@@ -39,3 +39,14 @@ def test_warm_up_runs_each_path_and_leaves_the_engine_as_new(outputs_cold) -> No
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0))
     assert [o.token_ids for o in outs] == outputs_cold
     assert [o.cached_tokens for o in outs] == [0, 0]  # the warm-up cached nothing
+
+
+def test_extend_batches_cover_the_sizes_within_the_budget_and_the_pool() -> None:
+    from pdserve.engine.warmup import EXTEND_SIZES, extend_batches
+
+    got = extend_batches(2048, 256, 1 << 20)
+    sums = [sum(b) for b in got]
+    assert sums == sorted({*EXTEND_SIZES, 2047, 2048})
+    assert all(0 < n <= 256 for b in got for n in b)
+    assert [sum(b) for b in extend_batches(2048, 256, 2000)] == [513, 777, 1000]  # half the pool
+    assert [sum(b) for b in extend_batches(600, 100, 1 << 20)] == [513, 599, 600]
