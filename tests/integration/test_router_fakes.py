@@ -20,7 +20,6 @@ from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.server import RouterServer
 
-
 PREFILL_WAIT_S = 10.0
 _prefilled: dict[int, asyncio.Event] = {}  # room -> set once its prefill answered
 
