@@ -5,13 +5,16 @@ from one into the pool on the receiver.
 IN_FLIGHT (two) buffers per side, used in turn, so that the copy for one message overlaps the
 transport of the other: the sender gathers message k+1 while message k is on the wire (both
 travel at once); the receiver's scatter of message k (a GPU kernel) runs while message k+1
-arrives in the other buffer. On a GPU a gather or scatter is one index kernel; on the host one
-memcpy per run of pages (numpy, GIL released).
+arrives in the other buffer. On a GPU a gather or scatter is one launch of the page-copy kernel
+(kernels/page_p2p_copy.py: int64 words; torch's index_select / index_copy_ where Triton is
+missing). For 256 random 2 MiB pages on an H200 the kernel scattered in 0.285 ms against
+index_copy_'s 0.746 (gathers: 0.287 against 0.278); on the host one memcpy per run of pages (numpy, GIL released).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 import torch
@@ -19,6 +22,8 @@ import torch
 from pdserve.kernels.device import to_device
 from pdserve.kvtransfer.chunk_header import ChunkHeader
 from pdserve.kvtransfer.descriptors import DST, NUM, SRC, run_pages
+
+log = logging.getLogger("pdserve.kvtransfer")
 
 # A message costs UCX's cuda_ipc path about a millisecond beyond its bytes: one 4096-token
 # Llama-3-8B request (512 MiB) between two processes on one H200 moved at 51-55 GB/s as 64 MiB
@@ -93,14 +98,39 @@ def _rows(t: torch.Tensor) -> np.ndarray:
     return t.reshape(t.shape[0], -1).view(torch.uint8).numpy()
 
 
+_kernel_ok = True  # False once Triton failed to import or launch: torch's index ops from then on
+
+
+def _kernel_copy(src: torch.Tensor, dst: torch.Tensor, src_pages: np.ndarray,
+                 dst_pages: np.ndarray) -> bool:
+    """dst[dst_pages[i]] = src[src_pages[i]] in one page-copy launch on the current stream;
+    False where the kernel is not available (the caller uses torch)."""
+    global _kernel_ok
+    if not _kernel_ok:
+        return False
+    try:
+        from pdserve.kernels.page_p2p_copy import PageCopier
+
+        with torch.cuda.device(src.device):
+            idx = to_device(torch.from_numpy(np.stack([src_pages, dst_pages])), src.device)
+            PageCopier(src, dst)(idx[0], idx[1])
+        return True
+    except (ImportError, RuntimeError, ValueError) as e:
+        log.warning("ucx staging: page-copy kernel unavailable (%s); torch index copies", e)
+        _kernel_ok = False
+        return False
+
+
 def gather(pool: torch.Tensor, descs: np.ndarray, out: torch.Tensor) -> torch.Tensor:
     """out[:n] = the descriptors' source pages in order; returns that view. On a GPU the
     caller synchronizes before a transport reads it."""
     n = int(descs[:, NUM].sum())
     dst = out[:n]
     if pool.is_cuda:
-        idx = to_device(torch.from_numpy(run_pages(descs, SRC)), pool.device)
-        torch.index_select(pool, 0, idx, out=dst)
+        src_pages = run_pages(descs, SRC)
+        if not _kernel_copy(pool, out, src_pages, np.arange(n, dtype=np.int64)):
+            idx = to_device(torch.from_numpy(src_pages), pool.device)
+            torch.index_select(pool, 0, idx, out=dst)
         return dst
     src_b, out_b = _rows(pool), _rows(dst)
     off = 0
@@ -114,8 +144,11 @@ def scatter(stage: torch.Tensor, pool: torch.Tensor, descs: np.ndarray) -> None:
     """pool[destination pages] = stage rows in order (asynchronous on a GPU: the pool's later
     users on the same device stream run after it)."""
     if pool.is_cuda:
-        idx = to_device(torch.from_numpy(run_pages(descs, DST)), pool.device)
-        pool.index_copy_(0, idx, stage[:len(idx)])
+        dst_pages = run_pages(descs, DST)
+        n = len(dst_pages)
+        if not _kernel_copy(stage, pool, np.arange(n, dtype=np.int64), dst_pages):
+            idx = to_device(torch.from_numpy(dst_pages), pool.device)
+            pool.index_copy_(0, idx, stage[:n])
         return
     st_b, pool_b = _rows(stage), _rows(pool)
     off = 0
