@@ -63,6 +63,11 @@ def allocate_tokens(texts: list[str], total: int) -> list[int]:
     return out
 
 
+def _finish_reason(obj: dict) -> str | None:
+    choices = obj.get("choices") or []
+    return choices[0].get("finish_reason") if choices else None
+
+
 def _chunk_text(obj: dict, chat: bool) -> str:
     choices = obj.get("choices") or []
     if not choices:
@@ -158,7 +163,9 @@ class HttpBenchClient:
             res.error = str(obj["error"].get("message", obj["error"]))[:200]
             return False
         text = _chunk_text(obj, self.cfg.chat)
-        if text:
+        if text or (not texts and _finish_reason(obj)):
+            # (a reply whose tokens decode to no text, e.g. one special token, ends with a
+            # chunk that has only its finish reason: that is its output's arrival)
             texts.append(text)
             res.chunk_times.append(now)
         if obj.get("usage"):

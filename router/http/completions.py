@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pdserve.router import openai_format as fmt
 from pdserve.router.core import RouterCore
@@ -23,7 +23,7 @@ from pdserve.router.errors import RouterError
 from pdserve.router.fanout import FanOut
 from pdserve.router.http.errors import error_response
 from pdserve.router.http.intake import check_auth, check_model, core_of, read_json
-from pdserve.router.http.sse import sse_stream
+from pdserve.router.http.sse import EventStream, sse_stream
 from pdserve.router.openai_schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from pdserve.router.prepare import PreparedRequest
 
@@ -106,8 +106,7 @@ async def _respond(core: RouterCore, request: Request, req: Any,
     created, model = int(time.time()), core.config.model_name
     if req.stream:
         gen = sse_stream(fan, choices, rid, created, model, chat, want_lp, req.include_usage)
-        return StreamingResponse(gen, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return EventStream(gen, fan.close)
     collect = asyncio.ensure_future(_collect(fan, choices))
     watch = asyncio.ensure_future(_wait_disconnect(request))
     try:

@@ -10,14 +10,66 @@ which aborts whatever still runs on the workers.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from json.encoder import encode_basestring as _str  # json.dumps' string form (non-ASCII kept)
+from typing import Any
+
+from starlette.responses import Response
 
 from pdserve.router import openai_format as fmt
 from pdserve.router.errors import RouterError
 from pdserve.router.fanout import FanOut
 from pdserve.router.http.errors import error_body
+
+_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache")]
+
+
+class EventStream(Response):
+    """An ASGI response sending `chunks` as they come, stopped when the client goes away (its
+    `http.disconnect` cancels the sending task); `close` runs however it ends (the fan-out's
+    close: what still runs on the workers is aborted, even if `chunks` never started).
+    Starlette's StreamingResponse does the same under ASGI 2.3 with an anyio task group and
+    cancel scopes per request, ~8% of the router loop's CPU per request in a profile; here it
+    is one watcher task and a cancel."""
+
+    def __init__(self, chunks: AsyncGenerator[str, None],
+                 close: Callable[[], Awaitable[None]]) -> None:  # no super(): no body
+        self.chunks, self.close = chunks, close
+        self.status_code, self.background, self.raw_headers = 200, None, list(_HEADERS)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        task = asyncio.current_task()
+        gone = False
+
+        async def _watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            if task is not None:
+                task.cancel()
+
+        watch = asyncio.ensure_future(_watch())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk.encode(),
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise  # cancelled from outside (shutdown): not ours to swallow
+            if task is not None:
+                task.uncancel()
+        finally:
+            watch.cancel()
+            try:
+                await self.chunks.aclose()
+            finally:
+                await self.close()
 
 
 def _data(obj: dict) -> str:

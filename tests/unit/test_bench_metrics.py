@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pdserve.bench.serve_client import RequestResult, allocate_tokens
@@ -91,3 +93,25 @@ def test_timeline_bins():
     assert tl["output_tok_s"] == [2.0, 4.0, 0.0]
     assert tl["requests_s"] == [0.0, 2.0, 0.0]
     assert tl["queue"] == [{"t_s": 0.0, "prefill": 1}]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_reply_without_text_counts_at_its_finish_chunk(chat: bool):
+    """One special token decodes to no text: the stream's only choice chunk carries just the
+    finish reason. That is the reply's arrival, not a request without output."""
+    from pdserve.bench.serve_client import HttpBenchClient
+
+    cfg = BenchConfig(endpoint="chat" if chat else "completions")
+    client = HttpBenchClient(cfg, "m")
+    choice = {"index": 0, "finish_reason": "length", "logprobs": None}
+    choice.update({"delta": {}} if chat else {"text": ""})
+    res, texts = RequestResult(input_len=4, output_len=1), []
+    client._line("data: " + json.dumps({"choices": [choice]}), res, texts, 0.0)
+    assert texts == [""] and len(res.chunk_times) == 1
+    # once text came, a finish-only chunk after it is not another arrival
+    res, texts = RequestResult(input_len=4, output_len=2), []
+    body = {"delta": {"content": "hi"}} if chat else {"text": "hi"}
+    first = {"index": 0, "finish_reason": None, **body}
+    client._line("data: " + json.dumps({"choices": [first]}), res, texts, 0.0)
+    client._line("data: " + json.dumps({"choices": [choice]}), res, texts, 0.0)
+    assert texts == ["hi"] and len(res.chunk_times) == 1
