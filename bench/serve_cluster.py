@@ -84,7 +84,8 @@ class Cluster:
         cmd = [sys.executable, "-m", "pdserve", "up", "--model-shape", args.model_shape,
                "--device", args.device, "--port", "0", "--prefill", prefill, "--decode", decode,
                "--mixed", mixed, "--worker-arg=--max-running=256",
-               f"--worker-arg=--num-pages={args.num_pages}"]
+               f"--worker-arg=--num-pages={args.num_pages}",
+               *(f"--router-arg={flag}" for flag in getattr(args, "router_arg", ()))]
         self.log = open(os.path.join(args.out, f"cluster-{topo}.log"), "w", encoding="utf-8")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--py-spy", action="store_true",
                    help="py-spy on the router and every worker during each served workload "
                         "(OUT/pyspy; a summary per process comes before the ratios)")
+    p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
+                   help="an extra router flag for every served cluster (e.g. "
+                        "--router-arg=--no-worker-session)")
     p.add_argument("--budget-s", type=float, default=400.0,
                    help="start no phase past this many seconds (the table still comes)")
     args = p.parse_args(argv)

@@ -155,7 +155,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., kv_pages_in_use: _Optional[int] = ..., num_inflight: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "bootstrap_addr", "model", "state", "load", "page_size", "max_context_len", "transfer_backend", "transfer_backends", "warmup_s")
+    __slots__ = ("worker_id", "role", "address", "bootstrap_addr", "model", "state", "load", "page_size", "max_context_len", "transfer_backend", "transfer_backends", "warmup_s", "session")
     class WarmupSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class WorkerInfo(_message.Message):
     TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     WARMUP_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -187,7 +188,8 @@ class WorkerInfo(_message.Message):
     transfer_backend: str
     transfer_backends: _containers.RepeatedScalarFieldContainer[str]
     warmup_s: _containers.ScalarMap[str, float]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., bootstrap_addr: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., page_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., transfer_backends: _Optional[_Iterable[str]] = ..., warmup_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    session: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., bootstrap_addr: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., page_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., transfer_backends: _Optional[_Iterable[str]] = ..., warmup_s: _Optional[_Mapping[str, float]] = ..., session: _Optional[bool] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
@@ -310,3 +312,43 @@ class StatusResponse(_message.Message):
     INFO_FIELD_NUMBER: _ClassVar[int]
     info: WorkerInfo
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class SessionCall(_message.Message):
+    __slots__ = ("call_id", "prefill", "decode", "cancel")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    prefill: PrefillRequest
+    decode: DecodeRequest
+    cancel: bool
+    def __init__(self, call_id: _Optional[int] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class SessionCalls(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[SessionCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[SessionCall, _Mapping]]] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("call_id", "prefill", "decode", "end", "code", "details")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    prefill: PrefillResponse
+    decode: DecodeResponse
+    end: bool
+    code: int
+    details: str
+    def __init__(self, call_id: _Optional[int] = ..., prefill: _Optional[_Union[PrefillResponse, _Mapping]] = ..., decode: _Optional[_Union[DecodeResponse, _Mapping]] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class SessionEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[SessionEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[SessionEvent, _Mapping]]] = ...) -> None: ...

@@ -321,6 +321,11 @@ class WorkerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Session = channel.stream_stream(
+                '/pdserve.v1.Worker/Session',
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.SessionCalls.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.SessionEvents.FromString,
+                _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/pdserve.v1.Worker/Prefill',
                 request_serializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
@@ -345,6 +350,12 @@ class WorkerStub:
 
 class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Session(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -373,6 +384,11 @@ class WorkerServicer:
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.SessionCalls.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.SessionEvents.SerializeToString,
+            ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillRequest.FromString,
@@ -403,6 +419,33 @@ def add_WorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Worker:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Worker/Session',
+            pdserve_dot_proto_dot_pdserve__pb2.SessionCalls.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.SessionEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Prefill(request,

@@ -131,6 +131,16 @@ def open_channel(addr: str, ca_file: str | None = None,
     return grpc.aio.insecure_channel(addr, options=list(options))
 
 
+def split_batch(items: list, max_bytes: int) -> tuple[list, list]:
+    """The messages of `items` that fit one batch of `max_bytes` (at least one), and the rest."""
+    size = 0
+    for n, item in enumerate(items, 1):
+        size += item.ByteSize()
+        if size >= max_bytes:
+            return items[:n], items[n:]
+    return items, []
+
+
 # ---- conversions ------------------------------------------------------------------------------
 
 # Proto fields declared `optional` (their proto zero is not the default): copied only when set.

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from pdserve.router.prepare import PreparedRequest
     from pdserve.router.registry import WorkerEntry
     from pdserve.router.request_flow import RequestFlow
+    from pdserve.router.session import SessionCall
 
 # How long the final message waits for the prefill answer (for its timings) after decode ended.
 PREFILL_GRACE_S = 1.0
@@ -74,7 +75,7 @@ class Attempt:
     _cached_tokens: int = 0
     _prefill_timings: dict | None = None
     _ttft_ms: float = 0.0
-    _decode_call: grpc.aio.UnaryStreamCall | None = None
+    _decode_call: SessionCall | grpc.aio.UnaryStreamCall | None = None
     _interrupt: str | LegFailure | None = None  # "abort", or the failure that ends the attempt
     _finishing: bool = False  # the answer is complete (or the attempt over): no interrupts
     _last_heard: float = 0.0
@@ -102,11 +103,9 @@ class Attempt:
         try:
             if self.prefill is not None:
                 prefill_task = asyncio.ensure_future(
-                    self.prefill.open().Prefill(self.prefill_req, timeout=timeout,
-                                                metadata=self.prefill.metadata))
+                    self.prefill.prefill_call(self.prefill_req, timeout))
                 prefill_task.add_done_callback(self._on_prefill)
-            self._decode_call = self.decode.open().Decode(self.decode_req, timeout=timeout,
-                                                          metadata=self.decode.metadata)
+            self._decode_call = self.decode.decode_call(self.decode_req, timeout)
             self._watchdog = loop.call_later(LIVENESS_CHECK_S, self._watch, prefill_task)
             unsubscribe = self.abort_event.subscribe(lambda: self._interrupt_with("abort"))
             while True:

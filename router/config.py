@@ -58,6 +58,9 @@ class RouterConfig:
     tls_ca_file: str | None = None  # when set, worker channels use TLS trusting this CA
     tls_cert_file: str | None = None  # when set (with tls_key_file), the gRPC server uses TLS
     tls_key_file: str | None = None
+    # Calls to a worker multiplexed on one Worker.Session stream (router/session.py) when it
+    # serves one; False: one Prefill / Decode RPC per call.
+    worker_session: bool = True
     k8s_discovery: Any = None  # a K8sDiscoveryConfig: workers from a pod label selector
 
     def __post_init__(self) -> None:

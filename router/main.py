@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "may use on a decode worker (0 = never prefill long prompts there)")
     p.add_argument("--local-prefill-fallback", action="store_true",
                    help="with no prefill worker in rotation, decode workers prefill locally")
+    p.add_argument("--no-worker-session", dest="worker_session", action="store_false",
+                   help="one Prefill / Decode RPC per call instead of multiplexing every call "
+                        "to a worker on one Worker.Session stream")
     p.add_argument("--tls-cert", default=None, help="gRPC server certificate (PEM): enables TLS")
     p.add_argument("--tls-key", default=None, help="gRPC server private key (PEM)")
     p.add_argument("--tls-ca", default=None, help="CA (PEM) to verify TLS workers with")
@@ -105,7 +108,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
         retries=args.retries, max_queued_requests=args.max_queued_requests,
         disagg_threshold=args.disagg_threshold,
-        local_prefill_fallback=args.local_prefill_fallback, slo_ttft_ms=args.slo_ttft_ms,
+        local_prefill_fallback=args.local_prefill_fallback, worker_session=args.worker_session,
+        slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms, tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key, tls_ca_file=args.tls_ca,
         k8s_discovery=_k8s_config(args))

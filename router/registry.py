@@ -24,6 +24,7 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.proto.rpc import load_to_dict, open_channel, secret_metadata
 from pdserve.router.config import RouterConfig
+from pdserve.router.session import SessionCall, WorkerSession
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class WorkerEntry:
     stub: pb_grpc.WorkerStub | None = None
     ca_file: str | None = None  # TLS to the worker, verified against this CA
     metadata: tuple[tuple[str, str], ...] | None = None  # sent on every call (cluster secret)
+    serves_session: bool = False  # its Status says it serves Worker.Session
+    use_session: bool = True  # the router's --worker-session (off: one RPC per call)
+    session: WorkerSession | None = None
 
     @property
     def load_score(self) -> int:
@@ -77,7 +81,37 @@ class WorkerEntry:
             self.stub = pb_grpc.WorkerStub(self.channel)
         return self.stub
 
+    def _session(self) -> WorkerSession:
+        if self.session is None or self.session.closed:
+            self.session = WorkerSession(self.open(), self.metadata, self.address)
+        return self.session
+
+    def prefill_call(self, request: pb.PrefillRequest, timeout: float):
+        """An awaitable of the PrefillResponse: on the worker's session when it serves one,
+        else one Prefill RPC; either raises grpc.aio.AioRpcError with the worker's status."""
+        if self.use_session and self.serves_session:
+            return self._session().prefill(request, timeout)
+        return self.open().Prefill(request, timeout=timeout, metadata=self.metadata)
+
+    def decode_call(self, request: pb.DecodeRequest, timeout: float
+                    ) -> SessionCall | grpc.aio.UnaryStreamCall:
+        """A Decode call (read() / cancel()): on the session, or one Decode RPC."""
+        if self.use_session and self.serves_session:
+            return self._session().decode(request, timeout)
+        return self.open().Decode(request, timeout=timeout, metadata=self.metadata)
+
+    def drop_channel(self) -> grpc.aio.Channel | None:
+        """Forget the channel (returned, for the caller to close) and retire the session: its
+        open calls run to their end."""
+        channel = self.channel
+        self.channel = self.stub = None
+        if self.session is not None:
+            self.session.retire()
+            self.session = None
+        return channel
+
     def update_info(self, info: pb.WorkerInfo) -> None:
+        self.serves_session = info.session
         if info.role in ROLES:
             self.role = info.role
         self.bootstrap_addr = info.bootstrap_addr
@@ -124,6 +158,7 @@ class Registry:
     def _secured(self, entry: WorkerEntry) -> WorkerEntry:
         entry.ca_file = self.config.tls_ca_file
         entry.metadata = secret_metadata(self.config.registration_secret)
+        entry.use_session = self.config.worker_session
         return entry
 
     # ------------------------------------------------------------------ queries
@@ -209,8 +244,7 @@ class Registry:
     def _remove(self, entry: WorkerEntry) -> None:
         self._workers.pop(entry.worker_id, None)
         if entry.channel is not None:
-            channel = entry.channel
-            entry.channel = entry.stub = None
+            channel = entry.drop_channel()
             # Calls still running on it finish (or fail) by themselves: a worker forgotten for a
             # late heartbeat under load keeps streaming its requests.
             grace = self.config.request_timeout_s if entry.inflight else 1.0
@@ -238,9 +272,7 @@ class Registry:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        channels = [w.channel for w in self._workers.values() if w.channel is not None]
-        for w in self._workers.values():
-            w.channel = w.stub = None
+        channels = [w.drop_channel() for w in self._workers.values() if w.channel is not None]
         await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)
 
     async def _loop(self) -> None:

@@ -27,6 +27,7 @@ from pdserve.worker.events import (
     TokenOutput,
 )
 from pdserve.worker.scheduler_thread import SchedulerThread
+from pdserve.worker.session import serve_session
 from pdserve.worker.validate import BadRequest, ValidRequest, validate_request
 
 
@@ -132,7 +133,7 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
             state="draining" if self.draining else "healthy", load=self.load(),
             page_size=self.memory.page_size, max_context_len=self.memory.max_context_len,
             transfer_backend=self.transfer_backend, transfer_backends=self.transfer_backends,
-            warmup_s=self.warmup_s)
+            warmup_s=self.warmup_s, session=True)
 
     def load(self) -> pb.WorkerLoad:
         return load_from_dict(self.thread.snapshot)
@@ -152,6 +153,11 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
         return not self.live
 
     # ---- RPCs --------------------------------------------------------------------------------
+
+    async def Session(self, request_iterator, context):
+        """Prefill and Decode calls multiplexed over one stream (worker/session.py)."""
+        async for batch in serve_session(self, request_iterator):
+            yield batch
 
     async def Status(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
         return pb.StatusResponse(info=self.info())

@@ -19,6 +19,7 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.server import RouterServer
+from pdserve.worker.session import serve_session
 
 PREFILL_WAIT_S = 10.0
 _prefilled: dict[int, asyncio.Event] = {}  # room -> set once its prefill answered
@@ -46,6 +47,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
     decode_requests: list[pb.DecodeRequest] = field(default_factory=list)
     aborts: list[pb.AbortRequest] = field(default_factory=list)
     decode_cancelled: int = 0
+    session: bool = True  # serves Worker.Session as the real workers do (worker/session.py)
     port: int = 0
     _server: grpc.aio.Server | None = None
     _health: health.aio.HealthServicer | None = None
@@ -78,10 +80,17 @@ class FakeWorker(pb_grpc.WorkerServicer):
         return pb.WorkerInfo(role=self.role, address=self.address,
                              bootstrap_addr=f"127.0.0.1:{self.port + 1}" if self.role == "prefill"
                              else "", model="tiny", load=self.load, page_size=16,
-                             max_context_len=self.max_context_len, transfer_backend="fake")
+                             max_context_len=self.max_context_len, transfer_backend="fake",
+                             session=self.session)
 
     async def Status(self, request, context):
         return pb.StatusResponse(info=self.info())
+
+    async def Session(self, request_iterator, context):
+        if not self.session:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no sessions")
+        async for batch in serve_session(self, request_iterator):
+            yield batch
 
     async def Prefill(self, request, context):
         self.prefill_requests.append(request)
