@@ -4,6 +4,7 @@ router's and the worker's CPU seconds (from /proc) divided by the output tokens 
 requests (`--output-len 1` makes the per-request cost the whole of it).
 
     python -m pdserve.bench.serve_path [--clients 64] [--num-prompts 384] [--topology mixed]
+                                       [--router-arg=--no-worker-session]
 
 On a small CPU machine the engine is still slow, but what the router spends per token does not
 depend on how fast tokens come: this is the figure that says how many tokens per second one
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
+    p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
+                   help="an extra router flag (e.g. --router-arg=--no-worker-session)")
     args = p.parse_args(argv)
     args.out = args.out or tempfile.mkdtemp(prefix="serve-path-")
     w = Workload("x", args.clients, args.input_len, args.output_len, args.num_prompts)
