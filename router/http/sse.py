@@ -72,8 +72,18 @@ class EventStream(Response):
                 await self.close()
 
 
+# Line breaks that json.dumps keeps as they are (it escapes those below U+0020) but that
+# str.splitlines, and clients reading SSE with it (httpx's aiter_lines), break lines at: escaped,
+# so that every event is one line for them too (the JSON is the same).
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _one_line(event: str) -> str:
+    return event if event.isascii() else event.translate(_LINE_BREAKS)
+
+
 def _data(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return _one_line(f"data: {json.dumps(obj, ensure_ascii=False)}\n\n")
 
 
 class TextChunks:
@@ -84,15 +94,16 @@ class TextChunks:
     def __init__(self, rid: str, created: int, model: str, chat: bool) -> None:
         obj = "chat.completion.chunk" if chat else "text_completion"
         self.chat = chat
-        self.head = (f'data: {{"id": {_str(rid)}, "object": "{obj}", "created": {int(created)}, '
-                     f'"model": {_str(model)}, "choices": [{{"index": ')
+        self.head = _one_line(
+            f'data: {{"id": {_str(rid)}, "object": "{obj}", "created": {int(created)}, '
+            f'"model": {_str(model)}, "choices": [{{"index": ')
 
     def chunk(self, index: int, text: str, finish_reason: str | None) -> str:
         reason = _str(finish_reason) if finish_reason is not None else "null"
         if self.chat:
-            body = f'"delta": {{"content": {_str(text)}}}' if text else '"delta": {}'
+            body = f'"delta": {{"content": {_one_line(_str(text))}}}' if text else '"delta": {}'
         else:
-            body = f'"text": {_str(text)}'
+            body = f'"text": {_one_line(_str(text))}'
         return (f'{self.head}{index}, {body}, "logprobs": null, "finish_reason": {reason}}}]}}'
                 "\n\n")
 

@@ -90,6 +90,26 @@ def test_text_chunks_are_json_dumps_bytes(text: str, index: int, chat: bool, rea
     json.loads(want[len("data: "):])
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_an_event_is_one_line_for_splitlines_readers(chat: bool) -> None:
+    """U+0085, U+2028 and U+2029 survive json.dumps unescaped, and httpx's aiter_lines (which
+    splits as str.splitlines) cut such an event in two: they are escaped."""
+    text = "a\x85b\u2028c\u2029d\ne\x1cf"
+    fast = TextChunks("r\u2028", 1, "m\x85", chat).chunk(0, text, None)
+    event = FlowEvent(request_id="r", text=text)
+    if chat:
+        slow = _data(fmt.chat_chunk("r\u2028", 1, "m\x85", 0, {"content": text}, event, False))
+    else:
+        choice = fmt.ChoiceState(index=0, counts_prompt=True)
+        slow = _data(fmt.completion_chunk("r\u2028", 1, "m\x85", choice, event, False))
+    assert fast == slow
+    lines = fast.splitlines()
+    assert len(lines) == 2 and lines[1] == ""
+    obj = json.loads(lines[0][len("data: "):])
+    got = obj["choices"][0]["delta"]["content"] if chat else obj["choices"][0]["text"]
+    assert got == text and obj["id"] == "r\u2028" and obj["model"] == "m\x85"
+
+
 def test_backend_decode_is_the_tokenizers_decode(tmp_path) -> None:
     from transformers import AutoTokenizer
 
