@@ -15,10 +15,12 @@ The paths, each timed into the returned report (seconds; the tests check the nam
 - `prefill_cached_prefix`: a prompt whose prefix the radix cache holds (the paged prefill);
 - `decode`: decode steps with greedy, seeded top-k/top-p, penalties and logprobs in one batch;
 - `decode_overlap`: greedy decode steps alone (the overlapped loop on CUDA);
-- `prefill_sizes` (CUDA): extend batches of the chunk budget's size, one token less, and a few
-  sizes between that are not multiples of 16. The Triton GEMMs compile a variant per row-count
-  class (tile config, a split last wave, divisibility): served, the first 512-token extend
-  otherwise spent 1.24 s compiling one on an H200.
+- `prefill_sizes` (CUDA): extend batches of the chunk budget's size, one token less, and sizes
+  between, multiples of 16 and not. The Triton GEMMs compile a variant per row-count class
+  (tile config, divisibility by 16, whether a GEMM's last wave is split: on an H200 the
+  4096-wide projections split from 513 rows, the 6144-wide from 257), so 256 and 512 are
+  classes of their own: served, the first lone 512-token extend took 850 ms (against 48 for
+  2048 tokens) with 513 and 2048 warmed.
 The warm-up requests' KV goes back and the radix cache is emptied: the worker starts with every
 page free and nothing cached, as if it had never run.
 """
@@ -40,7 +42,7 @@ from pdserve.engine.scheduler import Scheduler
 
 WARMUP_PATHS = ("weight_packing", "cpu_decode_kernel", "cuda_graphs", "prefill",
                 "prefill_cached_prefix", "decode", "decode_overlap", "prefill_sizes")
-EXTEND_SIZES = (513, 777, 1000, 1537)  # besides the chunk budget and one less
+EXTEND_SIZES = (256, 512, 513, 777, 1000, 1537)  # besides the chunk budget and one less
 
 
 def extend_batches(chunk: int, max_len: int, free_tokens: int) -> list[list[int]]:
