@@ -18,9 +18,9 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 import zmq
@@ -30,6 +30,7 @@ from pdserve.kvtransfer.aux import AuxSlots
 from pdserve.kvtransfer.backends import ONE_SIDED_BACKENDS
 from pdserve.kvtransfer.config import TransferConfig
 from pdserve.kvtransfer.decode_engines import ReceivingEngines
+from pdserve.kvtransfer.descriptors import DST, NUM
 from pdserve.kvtransfer.engine import ChunkHeader
 from pdserve.kvtransfer.fingerprint import Fingerprint
 from pdserve.kvtransfer.hosts import host_id
@@ -40,6 +41,34 @@ from pdserve.kvtransfer.shm_pool import ShmPoolBuffer
 from pdserve.kvtransfer.trace import stamp
 
 log = logging.getLogger("pdserve.kvtransfer")
+
+
+class _Views(Sequence[torch.Tensor]):
+    """The destination views of a chunk, one per descriptor of each lane in turn, each built
+    when it is read."""
+
+    def __init__(self, lanes: list[torch.Tensor], descs: Any) -> None:
+        self._lanes = lanes
+        self._runs = descs[:, [DST, NUM]].tolist()
+
+    def __len__(self) -> int:
+        return len(self._lanes) * len(self._runs)
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[torch.Tensor]: ...
+
+    def __getitem__(self, i: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        lane, k = divmod(i, len(self._runs))
+        d, n = self._runs[k]
+        return self._lanes[lane][d:d + n]
 
 
 @dataclass
@@ -156,11 +185,10 @@ class DecodeSide:
             err = r.check_chunk(header, nbytes, self.page_bytes, len(self.lanes))
             if err is None:
                 r.state.advance(KVPoll.Transferring)
-                # One-sided chunks (nbytes None) are already in place: building the views
-                # would cost ~10 us per descriptor for nothing. Payloads come rank by rank.
-                write([] if nbytes is None else
-                      [pool[d:d + n] for pool in self.lanes
-                       for _, d, n, _ in header.descs.tolist()])
+                # One-sided chunks (nbytes None) are already in place, and ucx scatters from
+                # its staging buffer: views are built only where read (~1-10 us each).
+                # Payloads come rank by rank.
+                write([] if nbytes is None else _Views(self.lanes, header.descs))
                 complete = r.mark_arrived(header)
         if err is not None:
             r.abort(f"rejected chunk {header.seq}: {err}")

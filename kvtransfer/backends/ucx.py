@@ -15,8 +15,11 @@ The connection to a peer is made at handshake (`connect`), not on a request's pa
 with one message from each buffer a transfer uses (the staging buffers and the pool), so that
 UCX's endpoint wire-up, its registration caches and, on GPUs, the CUDA IPC mappings are in
 place before the first room.
-Threads: one asyncio loop thread per engine owns every ucxx object; write() runs on the
-caller's transfer thread, gathering pieces and handing them to a coroutine that sends them.
+Threads: one asyncio loop thread per engine owns every ucxx object and does all of a
+transfer's work (gathers, sends; receives, scatters); write() runs on the caller's transfer
+thread, cuts the chunk into pieces and waits for the coroutine that sends them. Work handed
+between threads waits for the GIL while the loop spins on ucxx requests (ucxx polls each
+request's completion with `asyncio.sleep(0)`), so a chunk's pieces never change threads.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -43,6 +45,7 @@ from pdserve.kvtransfer.backends.staging import (
 from pdserve.kvtransfer.backends.staging import split as split_pieces
 from pdserve.kvtransfer.descriptors import NUM, SRC, run_pages
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
+from pdserve.kvtransfer.trace import stamp
 
 log = logging.getLogger("pdserve.kvtransfer")
 WARM = b"PDKVWARM"  # then u64 byte count: a warm-up payload follows, received and dropped
@@ -76,7 +79,8 @@ class UcxEngine(TransferEngine):
         self._tags: dict[str, int] = {}
         self._tags_lock = threading.Lock()
         self._recv_eps: list[Any] = []
-        self._stages: list[torch.Tensor] = []  # sender: IN_FLIGHT staging buffers (transfer thread)
+        self._stages: list[torch.Tensor] = []  # sender: IN_FLIGHT staging buffers
+        self._ready: list[Any] = []  # sender, GPU: an event after each buffer's gather
 
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -124,6 +128,7 @@ class UcxEngine(TransferEngine):
                             warm_copies(pool, ring.pages(buf))
                     continue
                 header = ChunkHeader.from_bytes(msg)
+                stamp("header", header.room)
                 nbytes = [n * page_bytes for n in header.descs[:, NUM].tolist()]
                 total = sum(nbytes)
                 if total > max_bytes:
@@ -153,12 +158,14 @@ class UcxEngine(TransferEngine):
             try:
                 if recv is not None:
                     await recv
+                stamp("received", header.room)
 
                 def _write(views: list[torch.Tensor], stage: torch.Tensor = stage,
                            header: ChunkHeader = header, b: int = b) -> None:
                     del views  # the same pages, scattered in one pass
                     scatter(stage, pool, header.descs)
                     ring.scattered(b)
+                    stamp("copied", header.room)
 
                 handler.place_chunk(f"ucx:{who}", header, nbytes, _write)
             finally:
@@ -186,6 +193,8 @@ class UcxEngine(TransferEngine):
                                                                  * pool.element_size()))
             self._stages = [torch.empty((n, *pool.shape[1:]), dtype=pool.dtype,
                                         device=pool.device) for _ in range(IN_FLIGHT)]
+            if pool.is_cuda:
+                self._ready = [torch.cuda.Event() for _ in range(IN_FLIGHT)]
         if self._stages[b].shape[0] < pages:  # one descriptor larger than a piece
             self._stages[b] = torch.empty((pages, *pool.shape[1:]), dtype=pool.dtype,
                                           device=pool.device)
@@ -216,72 +225,77 @@ class UcxEngine(TransferEngine):
 
         return asyncio.run_coroutine_threadsafe(_go(), self._loop)
 
-    async def _pump(self, ep: Any, q: asyncio.Queue) -> None:
-        """Send queued (header, payload, tag, sent-event) items: headers in order, each payload
-        under its own tag without waiting for the one before (so up to IN_FLIGHT messages, one
-        per staging buffer, are on the wire at once: a message's fixed cost overlaps the
-        other's transfer)."""
-        sends = []
-        while (item := await q.get()) is not None:
-            header, payload, tag, sent = item
-            await ep.send_obj(header)
-            if payload is None:
-                sent.set()
-                continue
-            task = asyncio.ensure_future(ep.send(_buf(payload), tag=tag))
-            task.add_done_callback(lambda _t, sent=sent: sent.set())
-            sends.append(task)
-        await asyncio.gather(*sends)
-
     def write(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> None:
+        """The chunk's pieces, sent by one coroutine on the engine's loop (`_send`); this
+        thread only cuts the chunk and waits, so no piece waits for a hand-over between
+        threads."""
         pool = self.region("kv")
         page_bytes = pool[0].numel() * pool.element_size()
         total = int(header.descs[:, NUM].sum()) * page_bytes
         whole = len(header.descs) > 0 and one_run(run_pages(header.descs, SRC))
         pieces = split_pieces(header, page_bytes,
                               message_bytes(pool, self._stage_bytes, total, contiguous=whole))
-        deadline = time.monotonic() + self._timeout
-        ep = self._run(self._endpoint(peer, peer_info), self._timeout)
-        q: asyncio.Queue = asyncio.Queue()
-        pump = asyncio.run_coroutine_threadsafe(self._pump(ep, q), self._loop)
-        sent = [threading.Event() for _ in range(IN_FLIGHT)]  # staging buffer b is free again
+        done = asyncio.run_coroutine_threadsafe(self._send(peer, peer_info, pool, pieces),
+                                                self._loop)
         try:
-            for k, piece in enumerate(pieces):
-                b = k % IN_FLIGHT
-                if k >= IN_FLIGHT:
-                    self._wait(sent[b], pump, deadline)
-                sent[b].clear()
-                payload = self._stage(pool, piece, b)
-                tag = None if payload is None else self._tag(peer)
-                self._loop.call_soon_threadsafe(q.put_nowait, (piece.to_bytes(), payload, tag,
-                                                               sent[b]))
-            self._loop.call_soon_threadsafe(q.put_nowait, None)
-            pump.result(max(0.0, deadline - time.monotonic()))
+            try:
+                done.result(self._timeout)
+            except TimeoutError:
+                if done.done():  # the send's own error
+                    raise
+                raise TimeoutError("ucx: send not done in time") from None
         except BaseException:
-            pump.cancel()
+            done.cancel()
             self.drop_peer(peer)  # a send may still read the buffers: start afresh
             raise
 
-    def _stage(self, pool: torch.Tensor, piece: ChunkHeader, b: int) -> torch.Tensor | None:
-        """The piece's payload: the pool slice when its pages are one run, else gathered."""
+    async def _send(self, peer: str, info: dict[str, Any], pool: torch.Tensor,
+                    pieces: list[ChunkHeader]) -> None:
+        """Each piece: its payload gathered into staging buffer k % IN_FLIGHT (once that
+        buffer's previous send is done) or taken from the pool when its pages are one run,
+        then sent under its own tag without waiting for the one before, its header after it
+        on the endpoint's default tag (headers go in order; the receiver posts the payload's
+        receive when the header comes). So up to IN_FLIGHT payloads are on the wire at once,
+        and the gather of one runs while the other moves."""
+        ep = await self._endpoint(peer, info)
+        busy: list[asyncio.Future | None] = [None] * IN_FLIGHT  # the send reading buffer b
+        sends: list[asyncio.Future] = []
+        try:
+            for k, piece in enumerate(pieces):
+                b = k % IN_FLIGHT
+                if busy[b] is not None:
+                    await busy[b]
+                    busy[b] = None
+                payload = await self._stage(pool, piece, b)
+                if payload is not None:
+                    stamp("staged", piece.room)
+                    task = asyncio.ensure_future(ep.send(_buf(payload), tag=self._tag(peer)))
+                    busy[b] = task
+                    sends.append(task)
+                await ep.send_obj(piece.to_bytes())
+            await asyncio.gather(*sends)
+        except BaseException:
+            for t in sends:
+                t.cancel()
+            raise
+
+    async def _stage(self, pool: torch.Tensor, piece: ChunkHeader,
+                     b: int) -> torch.Tensor | None:
+        """The piece's payload: the pool slice when its pages are one run, else gathered into
+        staging buffer b; on a GPU, once the gather has run (UCX reads the buffer outside any
+        stream), awaited without blocking the loop's other sends."""
         if len(piece.descs) == 0:
             return None
         pages = run_pages(piece.descs, SRC)
         if one_run(pages):
             return pool[int(pages[0]):int(pages[0]) + len(pages)]
         out = gather(pool, piece.descs, self._staging(pool, b, len(pages)))
-        if pool.is_cuda:  # UCX reads the buffer outside any stream
-            torch.cuda.current_stream(pool.device).synchronize()
+        if pool.is_cuda:
+            ev = self._ready[b]
+            ev.record(torch.cuda.current_stream(pool.device))
+            while not ev.query():
+                await asyncio.sleep(0)
         return out
-
-    @staticmethod
-    def _wait(ev: threading.Event, pump: Any, deadline: float) -> None:
-        while not ev.wait(0.01):
-            if pump.done():
-                pump.result()  # raises what stopped it
-                raise RuntimeError("ucx: sender stopped early")
-            if time.monotonic() > deadline:
-                raise TimeoutError("ucx: send not done in time")
 
     def drop_peer(self, peer: str) -> None:
         async def _drop() -> None:
