@@ -94,6 +94,9 @@ def loop(one: Callable[[], object], seconds: float) -> list[float]:
     return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])][1:]
 
 
+_GREEN: list = []  # the green contexts made, alive while their streams run
+
+
 def _green_stream(share: float | None):  # noqa: ANN202
     """A stream of a green context holding `share` of the SMs (made current for this thread);
     the default stream's context when `share` is None."""
@@ -104,6 +107,7 @@ def _green_stream(share: float | None):  # noqa: ANN202
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     num = max(8, int(sms * share) // 8 * 8)  # partitions come in SM groups
     ctx = GreenContext.create(num_sms=num, device_id=0)
+    _GREEN.append(ctx)  # its destructor destroys the context: kept for the process's life
     ctx.set_context()
     # CUDA graphs are captured on a side stream made once per process: make it again, here,
     # so the decode graph is captured in this green context (only this thread captures).
@@ -163,7 +167,9 @@ def _read_until(p: subprocess.Popen, accept: Callable[[str], bool], what: str) -
 def two_processes(args: argparse.Namespace, env: dict[str, dict[str, str]]) -> dict:
     """Each loop in its own process (env per role); they start together once both are built."""
     procs = {role: subprocess.Popen(
-        [sys.executable, "-m", "pdserve.bench.gpu_spatial", "--role", role,
+        # -P: the cwd (a checkout whose bare pdserve/ would shadow the installed package) stays
+        # off the path, as for the parent (scripts/gpu-check)
+        [sys.executable, "-P", "-m", "pdserve.bench.gpu_spatial", "--role", role,
          "--seconds", str(args.seconds), "--batch", str(args.batch), "--context",
          str(args.context), "--prompt", str(args.prompt)],
         env={**os.environ, **env[role]}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

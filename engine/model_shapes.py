@@ -15,6 +15,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+# Tokens of the embedded SmolLM2 tokenizer, which every shape is served with.
+TOKENIZER_VOCAB = 49152
+
 # name: (architecture, vocab, hidden, intermediate, layers, heads, kv heads, head_dim, rope theta,
 #        rms eps, max positions, tied embeddings)
 _ROWS: dict[str, tuple] = {

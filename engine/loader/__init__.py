@@ -72,8 +72,10 @@ def load_model(
     dtype, device = parse_dtype(dtype), torch.device(device)
     if load_format == "dummy" or model_shape is not None:
         from pdserve.engine.loader.dummy import load_dummy_model
+        from pdserve.engine.model_shapes import TOKENIZER_VOCAB
 
-        return load_dummy_model(read_model_config(path, model_shape), dtype, device, tp)
+        return load_dummy_model(read_model_config(path, model_shape), dtype, device, tp,
+                                text_vocab=TOKENIZER_VOCAB if model_shape is not None else None)
     if path is None:
         raise ValueError("model: give a model path or a model shape")
     kind, where = resolve_model_path(path)

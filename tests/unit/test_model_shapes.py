@@ -15,8 +15,8 @@ from fixtures.tiny_model import tiny_config, write_tokenizer
 from pdserve.bench.kv import MODEL_SHAPES
 from pdserve.engine.engine import EngineConfig
 from pdserve.engine.loader import ModelLoadError, load_model, read_model_config, shape_config
-from pdserve.engine.loader.dummy import init_dummy_weights
-from pdserve.engine.model_shapes import hf_config, kv_shape, shape_names
+from pdserve.engine.loader.dummy import init_dummy_weights, load_dummy_model
+from pdserve.engine.model_shapes import TOKENIZER_VOCAB, hf_config, kv_shape, shape_names
 from pdserve.engine.models import LlamaForCausalLM
 from pdserve.engine.served_tokenizer import FoldedVocab, fold_vocab
 
@@ -95,6 +95,34 @@ def test_random_weights_are_seeded_and_tied_once() -> None:
     c = LlamaForCausalLM(cfg)
     init_dummy_weights(c, seed=1)
     assert not torch.equal(a.embed_tokens, c.embed_tokens)
+
+
+def test_rows_past_the_tokenizer_are_zero_and_never_greedy() -> None:
+    # The llama3-8b case (a head larger than the tokenizer), narrow: 3,000 rows, 1,200 shown.
+    cfg = dataclasses.replace(shape_config("llama3-8b"), vocab_size=3000, hidden_size=256,
+                              intermediate_size=512, num_layers=2, num_heads=8,
+                              num_kv_heads=2, head_dim=32)
+    model, _ = load_dummy_model(cfg, torch.float32, torch.device("cpu"), text_vocab=1200)
+    assert not model.lm_head[:1200].eq(0).all(dim=1).any()  # every shown row is random
+    assert model.lm_head[1200:].eq(0).all() and model.embed_tokens[1200:].eq(0).all()
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        ids = torch.randint(0, 1200, (30,), generator=gen).tolist()
+        assert int(_logits(model, ids).argmax(dim=-1).max()) < 1200
+    full, _ = load_dummy_model(cfg, torch.float32, torch.device("cpu"))  # no tokenizer limit
+    assert torch.equal(full.lm_head[:1200], model.lm_head[:1200])
+    assert not full.lm_head[1200:].eq(0).all(dim=1).any()
+
+
+def test_shapes_are_loaded_with_the_tokenizer_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pdserve.engine.loader.dummy as dummy
+
+    assert hf_config("smollm2-135m")["vocab_size"] == TOKENIZER_VOCAB
+    seen: list[tuple[int, int | None]] = []
+    monkeypatch.setattr(dummy, "load_dummy_model", lambda cfg, *a, text_vocab=None, **k:
+                        seen.append((cfg.vocab_size, text_vocab)))
+    load_model(None, torch.float32, "cpu", model_shape="llama3-8b")
+    assert seen == [(128256, TOKENIZER_VOCAB)]  # the full head: it costs the real model's
 
 
 def test_smollm2_shape_loads_dummy_with_finite_logits() -> None:
