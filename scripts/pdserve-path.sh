@@ -14,4 +14,10 @@ if ! (cd / && "${PYTHON:-python3}" -c "import pdserve.engine.kv_pool") 2>/dev/nu
   (cd / && "${PYTHON:-python3}" -c "import pdserve.engine.kv_pool") \
     || { echo "pdserve not importable" >&2; return 2 2>/dev/null || exit 2; }
 fi
+# The embedded tokenizer that `scripts/serve-bench --stage` carried (a machine without the
+# package index cannot fetch it): model shapes are served with it, through PDSERVE_CACHE.
+if [[ -d "$_root/.device/pdserve-cache" && -z "${PDSERVE_CACHE:-}" ]]; then
+  export PDSERVE_CACHE=/tmp/pdserve-cache
+  mkdir -p "$PDSERVE_CACHE" && cp -rn "$_root/.device/pdserve-cache/." "$PDSERVE_CACHE/" 2>/dev/null || true
+fi
 unset _root _farm
