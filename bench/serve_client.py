@@ -30,6 +30,8 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)  # arrival, seconds since send
     chunk_tokens: list[int] = field(default_factory=list)  # tokens per content chunk
     end_s: float = 0.0  # last byte, seconds since send
+    # The chunk with the finish reason (the last token's arrival, text or not; 0: none seen)
+    finish_s: float = 0.0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -163,7 +165,10 @@ class HttpBenchClient:
             res.error = str(obj["error"].get("message", obj["error"]))[:200]
             return False
         text = _chunk_text(obj, self.cfg.chat)
-        if text or (not texts and _finish_reason(obj)):
+        finish = _finish_reason(obj)
+        if finish:
+            res.finish_s = now
+        if text or (not texts and finish):
             # (a reply whose tokens decode to no text, e.g. one special token, ends with a
             # chunk that has only its finish reason: that is its output's arrival)
             texts.append(text)

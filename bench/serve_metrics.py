@@ -54,10 +54,13 @@ def output_tokens(r: RequestResult) -> int:
 
 
 def tpot_ms(r: RequestResult) -> float | None:
+    """(last token - first token) / (tokens - 1). The last token arrives with the finish
+    reason, which comes even when its tokens streamed no text (a text-less tail would
+    otherwise make the decode look instant)."""
     n = output_tokens(r)
     if n < 2:
         return None
-    return (r.chunk_times[-1] - r.chunk_times[0]) * 1e3 / (n - 1)
+    return (max(r.chunk_times[-1], r.finish_s) - r.chunk_times[0]) * 1e3 / (n - 1)
 
 
 def meets_slo(r: RequestResult, cfg: BenchConfig) -> bool:

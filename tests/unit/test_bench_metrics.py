@@ -43,6 +43,10 @@ def test_itl_splits_multi_token_chunks_and_tpot():
     assert gaps == pytest.approx([10.0, 10.0, 10.0, 10.0])  # 30 ms over 3 tokens
     assert tpot_ms(r) == pytest.approx(40.0 / 4)  # (140 - 100) ms / (5 - 1)
     assert tpot_ms(_result([0.1])) is None
+    # Tokens that stream no text after the first: their time shows at the finish chunk.
+    tail = _result([0.100], [1])
+    tail.chunk_tokens, tail.finish_s = [256], 1.375
+    assert tpot_ms(tail) == pytest.approx((1375.0 - 100.0) / 255)
 
 
 def test_stats_percentiles():
@@ -113,5 +117,7 @@ def test_a_reply_without_text_counts_at_its_finish_chunk(chat: bool):
     body = {"delta": {"content": "hi"}} if chat else {"text": "hi"}
     first = {"index": 0, "finish_reason": None, **body}
     client._line("data: " + json.dumps({"choices": [first]}), res, texts, 0.0)
+    assert res.finish_s == 0.0
     client._line("data: " + json.dumps({"choices": [choice]}), res, texts, 0.0)
     assert texts == ["hi"] and len(res.chunk_times) == 1
+    assert res.finish_s >= res.chunk_times[0]  # the last token's arrival, for TPOT
