@@ -16,7 +16,11 @@ import time
 
 from pdserve.bench.serve_compare import Workload, bench_args, workload_seed
 
-TOPOLOGIES = {"mixed": ("0", "0", "1"), "pd": ("1", "1", "0")}  # prefill, decode, mixed
+# name: (prefill, decode, mixed workers, extra `pdserve up` flags). pd-spatial: the 1P1D pair
+# on one GPU as MPS clients on their shares of the SMs (pdserve/spatial.py; where MPS is
+# missing `pdserve up` says why and runs them time-sliced, as `pd`).
+TOPOLOGIES = {"mixed": ("0", "0", "1", ()), "pd": ("1", "1", "0", ()),
+              "pd-spatial": ("1", "1", "0", ("--spatial",))}
 _CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -80,22 +84,27 @@ def _cpu_s(pid: int) -> float:
 
 class Cluster:
     def __init__(self, args: argparse.Namespace, topo: str) -> None:
-        prefill, decode, mixed = TOPOLOGIES[topo]
+        if topo not in TOPOLOGIES:
+            raise ValueError(f"topologies: unknown {topo!r} (choose from {', '.join(TOPOLOGIES)})")
+        prefill, decode, mixed, extra = TOPOLOGIES[topo]
         cmd = [sys.executable, "-m", "pdserve", "up", "--model-shape", args.model_shape,
                "--device", args.device, "--port", "0", "--prefill", prefill, "--decode", decode,
-               "--mixed", mixed, "--worker-arg=--max-running=256",
+               "--mixed", mixed, *extra, "--worker-arg=--max-running=256",
                f"--worker-arg=--num-pages={args.num_pages}",
                *(f"--router-arg={flag}" for flag in getattr(args, "router_arg", ()))]
         self.log = open(os.path.join(args.out, f"cluster-{topo}.log"), "w", encoding="utf-8")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
-        self.url = ""
+        self.url = self.spatial = ""
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.log.write(line)
             if line.startswith("pdserve ready"):
                 self.url = line.split()[2]
+                # e.g. spatial=50/50 or spatial=off: what the cluster really ran as
+                self.spatial = next((f.split("=", 1)[1] for f in line.split()
+                                     if f.startswith("spatial=")), "")
                 break
         if not self.url:
             raise RuntimeError(f"pdserve up ({topo}) exited {self.proc.wait()} before ready")
@@ -142,7 +151,7 @@ def run_served(args: argparse.Namespace, loads: tuple[Workload, ...], topo: str,
     t0 = time.perf_counter()
     tok = default_tokenizer_path()
     cluster = Cluster(args, topo)
-    result: dict = {"ready_s": cluster.ready_s}
+    result: dict = {"ready_s": cluster.ready_s, "spatial": cluster.spatial}
     try:
         for i, w in enumerate(loads):
             seed = workload_seed(args.seed, i)

@@ -40,7 +40,8 @@ GPU_WORKLOADS = (Workload("a", 1, 2048, 32, 8), Workload("b", 64, 512, 256, 192)
 QUICK_WORKLOADS = (Workload("a", 1, 128, 8, 2), Workload("b", 4, 32, 16, 8),
                    Workload("c", 8, 32, 16, 16))
 BENCH_WARMUP = 2  # pdserve bench's warm-up requests (they come first from its generator)
-TARGETS = {"mixed": 0.95, "pd": 0.90}  # served output tok/s over the offline engine's
+TARGETS = {"mixed": 0.95, "pd": 0.90, "pd-spatial": 0.90}  # served tok/s over offline's
+LABELS = {"mixed": "mixed", "pd": "1P1D", "pd-spatial": "1P1D spatial"}
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -113,46 +114,57 @@ def prompts(w: Workload, seed: int) -> list[list[int]]:
     return [r.prompt for r in build_workload(cfg, warmup=cfg.warmup)[cfg.warmup:]]
 
 
+def _topologies(served: dict) -> list[str]:
+    """The columns: mixed and 1P1D always (a dash where not run), 1P1D spatial when run."""
+    return [t for t in TARGETS if t in ("mixed", "pd") or t in served]
+
+
 def _row(name: str, metric: str, offline: float | None, served: dict[str, float | None],
-         unit: str, target: str) -> list[str]:
+         unit: str, target: str, topos: list[str]) -> list[str]:
     def fmt(v: float | None) -> str:
         return "-" if v is None else f"{v:,.1f}"
 
     def ratio(v: float | None) -> str:
         return "-" if v is None or not offline else f"{v / offline:.3f}"
 
-    return [name, metric, fmt(offline), fmt(served.get("mixed")), ratio(served.get("mixed")),
-            fmt(served.get("pd")), ratio(served.get("pd")), unit, target]
+    cells = [c for t in topos for c in (fmt(served.get(t)), ratio(served.get(t)))]
+    return [name, metric, fmt(offline), *cells, unit, target]
 
 
 def table(report: dict) -> str:
     """The ratios: served over offline (throughput), TTFT and ITL against their targets."""
     off, served = report["offline"], report["served"]
-    rows = [["workload", "metric", "offline", "mixed", "ratio", "1P1D", "ratio", "unit",
-             "target"]]
+    topos = _topologies(served)
+    rows = [["workload", "metric", "offline",
+             *(c for t in topos for c in (LABELS[t], "ratio")), "unit", "target"]]
     a = off["workloads"].get("a", {})
-    get = {topo: served.get(topo, {}).get("a", {}) for topo in ("mixed", "pd")}
+    get = {topo: served.get(topo, {}).get("a", {}) for topo in topos}
     rows.append(_row("(a) 1 client", "TTFT p50", a.get("ttft_ms"),
                      {t: g.get("ttft_p50_ms") for t, g in get.items()}, "ms",
-                     "<= 1.05x offline + 2 ms"))
+                     "<= 1.05x offline + 2 ms", topos))
     rows.append(_row("(a) 1 client", "ITL p50 vs roofline", off.get("roofline_ms"),
                      {t: g.get("itl_p50_ms") for t, g in get.items()}, "ms",
-                     "<= 1.12x roofline"))
-    rows.append(["(a) 1 client", "ITL offline", f"{a.get('itl_ms', 0):,.2f}", "", "", "", "",
-                 "ms", ""])
+                     "<= 1.12x roofline", topos))
+    rows.append(["(a) 1 client", "ITL offline", f"{a.get('itl_ms', 0):,.2f}",
+                 *[""] * (2 * len(topos)), "ms", ""])
     for w in report["workloads"]:
         if w["clients"] == 1:
             continue
-        tok = {t: served.get(t, {}).get(w["name"], {}).get("output_tok_s") for t in TARGETS}
+        tok = {t: served.get(t, {}).get(w["name"], {}).get("output_tok_s") for t in topos}
         rows.append(_row(f"({w['name']}) {w['clients']} clients", "output tok/s",
                          off["workloads"].get(w["name"], {}).get("output_tok_s"), tok, "tok/s",
-                         ">= 0.95 mixed, >= 0.90 1P1D"))
+                         ">= 0.95 mixed, >= 0.90 1P1D", topos))
     check = report.get("check")
     if check:
         rows.append(["(b) check", f"{check['client']} tok/s vs pdserve bench",
                      f"{check['bench_tok_s']:,.1f}", f"{check['output_tok_s']:,.1f}",
-                     f"{check['output_tok_s'] / max(check['bench_tok_s'], 1e-9):.3f}", "",
-                     "", "tok/s", "~1.0"])
+                     f"{check['output_tok_s'] / max(check['bench_tok_s'], 1e-9):.3f}",
+                     *[""] * (2 * len(topos) - 2), "tok/s", "~1.0"])
+    spatial = served.get("pd-spatial", {}).get("spatial")
+    if spatial is not None:
+        cells = [""] * (2 * len(topos))
+        cells[2 * topos.index("pd-spatial")] = spatial or "?"  # under its column
+        rows.append(["1P1D spatial", "SM split (prefill/decode %)", "", *cells, "", ""])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(wd) for c, wd in zip(r, widths)) for r in rows)
 
@@ -163,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/serve-bench", description=__doc__.splitlines()[0])
     add_workload_args(p)
     p.add_argument("--out", default=os.environ.get("OUT") or "serve-bench-out")
-    p.add_argument("--topologies", default="mixed,pd", help="served clusters to run")
+    p.add_argument("--topologies", default="mixed,pd",
+                   help="served clusters to run, of " + ", ".join(TARGETS)
+                        + " (pd-spatial: pdserve up --spatial)")
     p.add_argument("--no-check", action="store_true", help="skip the independent client")
     p.add_argument("--step-trace", action="store_true",
                    help="every scheduler writes its steps to OUT/steps (PDSERVE_STEP_TRACE); "
@@ -177,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=400.0,
                    help="start no phase past this many seconds (the table still comes)")
     args = p.parse_args(argv)
+    unknown = [t for t in args.topologies.split(",") if t and t not in TARGETS]
+    if unknown:
+        p.error(f"--topologies: unknown {', '.join(unknown)} (choose from {', '.join(TARGETS)})")
     loads = workloads_of(args)
     os.makedirs(args.out, exist_ok=True)
     steps_dir = os.path.join(os.path.abspath(args.out), "steps")

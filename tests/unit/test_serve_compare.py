@@ -11,7 +11,9 @@ from pdserve.bench.serve_compare import (
     QUICK_WORKLOADS,
     Workload,
     add_workload_args,
+    main,
     parse_workloads,
+    table,
     workloads_of,
 )
 
@@ -42,3 +44,32 @@ def test_user_workloads_replace_the_built_in_ones() -> None:
 def test_bad_workloads_are_named(spec: str) -> None:
     with pytest.raises(ValueError, match="--workloads"):
         parse_workloads(spec)
+
+
+def _report(served: dict) -> dict:
+    return {"offline": {"roofline_ms": 4.0, "workloads": {"a": {"ttft_ms": 40.0, "itl_ms": 4.5},
+                                                           "b": {"output_tok_s": 1000.0}}},
+            "workloads": [{"name": "a", "clients": 1}, {"name": "b", "clients": 64}],
+            "served": served}
+
+
+def test_table_columns_follow_the_topologies_run() -> None:
+    mixed = {"a": {"ttft_p50_ms": 42.0, "itl_p50_ms": 4.4}, "b": {"output_tok_s": 960.0}}
+    lines = table(_report({"mixed": mixed})).splitlines()
+    assert lines[0].split() == ["workload", "metric", "offline", "mixed", "ratio", "1P1D",
+                                "ratio", "unit", "target"]
+    b = next(x for x in lines if x.startswith("(b)"))
+    assert "0.960" in b and " - " in b  # 1P1D not run: a dash
+    spatial = {"spatial": "40/60", "a": {"ttft_p50_ms": 50.0}, "b": {"output_tok_s": 930.0}}
+    lines = table(_report({"mixed": mixed, "pd-spatial": spatial})).splitlines()
+    assert lines[0].split()[3:10] == ["mixed", "ratio", "1P1D", "ratio", "1P1D", "spatial",
+                                      "ratio"]
+    assert "0.930" in next(x for x in lines if x.startswith("(b)"))
+    assert "40/60" in lines[-1]
+
+
+def test_unknown_topology_is_refused_before_anything_runs(capsys, tmp_path) -> None:
+    with pytest.raises(SystemExit):
+        main(["--topologies", "mixed,spatial", "--out", str(tmp_path / "o")])
+    assert "unknown spatial (choose from mixed, pd, pd-spatial)" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
