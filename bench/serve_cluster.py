@@ -84,8 +84,6 @@ def _cpu_s(pid: int) -> float:
 
 class Cluster:
     def __init__(self, args: argparse.Namespace, topo: str) -> None:
-        if topo not in TOPOLOGIES:
-            raise ValueError(f"topologies: unknown {topo!r} (choose from {', '.join(TOPOLOGIES)})")
         prefill, decode, mixed, extra = TOPOLOGIES[topo]
         cmd = [sys.executable, "-m", "pdserve", "up", "--model-shape", args.model_shape,
                "--device", args.device, "--port", "0", "--prefill", prefill, "--decode", decode,

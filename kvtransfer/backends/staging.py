@@ -37,6 +37,13 @@ IN_FLIGHT = 2  # messages on the wire at once (staging buffers per side)
 MIN_SPLIT_BYTES = 16 << 20  # a GPU chunk smaller than IN_FLIGHT of these goes as one message
 
 
+async def event_done(ev: torch.cuda.Event | None) -> None:
+    """Until the work before `ev` has run on the GPU, without blocking the loop's other tasks
+    (a timed sleep would idle at least epoll's 1 ms tick)."""
+    while ev is not None and not ev.query():
+        await asyncio.sleep(0)
+
+
 def piece_bytes(pool: torch.Tensor, configured: int) -> int:
     """Bytes per message at most: the configured size, else the device's default; at least one
     page, at most the pool (no chunk is larger)."""
@@ -182,9 +189,7 @@ class RecvRing:
     async def next(self, nbytes: int) -> torch.Tensor:
         """The next buffer in turn (`current` names it), once its last scatter finished."""
         b = self.current = (self.current + 1) % IN_FLIGHT
-        ev = self._events[b]
-        while ev is not None and not ev.query():  # its previous scatter still runs
-            await asyncio.sleep(0)  # a timed sleep idles at least epoll's 1 ms tick
+        await event_done(self._events[b])  # its previous scatter
         buf = self._bufs[b]
         if buf is None or buf.numel() < nbytes:
             buf = self._bufs[b] = torch.empty(max(nbytes, 1), dtype=torch.uint8,

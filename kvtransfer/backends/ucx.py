@@ -35,6 +35,7 @@ import torch
 from pdserve.kvtransfer.backends.staging import (
     IN_FLIGHT,
     RecvRing,
+    event_done,
     gather,
     message_bytes,
     one_run,
@@ -291,10 +292,8 @@ class UcxEngine(TransferEngine):
             return pool[int(pages[0]):int(pages[0]) + len(pages)]
         out = gather(pool, piece.descs, self._staging(pool, b, len(pages)))
         if pool.is_cuda:
-            ev = self._ready[b]
-            ev.record(torch.cuda.current_stream(pool.device))
-            while not ev.query():
-                await asyncio.sleep(0)
+            self._ready[b].record(torch.cuda.current_stream(pool.device))
+            await event_done(self._ready[b])
         return out
 
     def drop_peer(self, peer: str) -> None:

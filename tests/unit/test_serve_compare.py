@@ -73,3 +73,10 @@ def test_unknown_topology_is_refused_before_anything_runs(capsys, tmp_path) -> N
         main(["--topologies", "mixed,spatial", "--out", str(tmp_path / "o")])
     assert "unknown spatial (choose from mixed, pd, pd-spatial)" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_every_topology_has_a_cluster_a_target_and_a_label() -> None:
+    from pdserve.bench.serve_cluster import TOPOLOGIES
+    from pdserve.bench.serve_compare import LABELS, TARGETS
+
+    assert set(TOPOLOGIES) == set(TARGETS) == set(LABELS)
