@@ -135,6 +135,10 @@ def _summary(bench: dict, cpu0: dict[str, float], cpu1: dict[str, float]) -> dic
            "failed": bench["failed"], "ttft_p50_ms": bench["ttft_ms"]["p50"],
            "itl_p50_ms": bench["itl_ms"]["p50"], "tpot_mean_ms": bench["tpot_ms"]["mean"],
            "duration_s": bench["duration_s"], "errors": bench["errors"]}
+    stages = bench.get("stages", {})
+    if stages.get("source") == "responses":  # the router's per-stage times, p50 over requests
+        out["stages_p50_ms"] = {s: round(v["p50"], 2) for s, v in stages["stages_ms"].items()
+                                if s not in stages.get("not_reported", ())}
     # % of one core over the run (the warm-up requests included, a few percent of it).
     out["cpu_pct"] = {r: round(100 * (cpu1[r] - cpu0.get(r, 0.0)) / dur, 1) for r in cpu1}
     return out

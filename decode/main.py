@@ -31,6 +31,7 @@ def build_decode(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
         raise
     sched = DecodeScheduler(parts.runner, parts.memory, cfg.scheduler, kv_manager=kv)
     thread = SchedulerThread(sched, name="decode-scheduler")
+    kv.wake_on_change(thread.wake)
     service = DecodeService(thread, mc, parts.memory, mc.name, args.transfer_backend,
                             transfer_backends=kv.offered_backends)
     return WorkerParts(service, thread, [kv.close], parts)

@@ -91,6 +91,7 @@ class DecodeSide:
         self.page_bytes = pool[0].numel() * pool.element_size()
         self.config = config
         self.fingerprint = fingerprint
+        self.on_change: Callable[[], None] | None = None  # given to every room (RoomState)
         self.host = host_id(config.host_id)
         self.aux_slots = AuxSlots(config.num_aux_slots)
         self._lock = threading.Lock()  # guards _receivers

@@ -3,6 +3,7 @@ endpoint or peer connections, heartbeats, timeouts) and, on prefill, the transfe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -124,6 +125,11 @@ class KVManager:
         if self._decode is None:
             raise ValueError("role: create_receiver needs role='decode'")
         return self._decode.create_receiver(room, bootstrap_addr)
+
+    def wake_on_change(self, wake: Callable[[], None]) -> None:
+        """Call `wake()` whenever a room created from now on changes status (on the thread that
+        changed it): the scheduler polling the rooms runs at once, not at its next idle poll."""
+        (self._prefill or self._decode).on_change = wake
 
     def registered_regions(self) -> list[str]:
         """Memory regions still registered with an engine (empty after close())."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from enum import IntEnum
 
 
@@ -19,8 +20,11 @@ class RoomState:
     """One room's status. Reads are a plain attribute load (cheap, called every scheduler step);
     writes take the lock so that a terminal state is entered exactly once."""
 
-    def __init__(self, room: int) -> None:
+    def __init__(self, room: int, on_change: Callable[[], None] | None = None) -> None:
         self.room = room
+        # Called (on the thread that moved the room) after every change of status: the
+        # scheduler that polls rooms wakes at once instead of at its next idle poll.
+        self._on_change = on_change
         self._lock = threading.Lock()
         self._status = KVPoll.Bootstrapping
         self.failure_reason: str | None = None
@@ -44,7 +48,9 @@ class RoomState:
                 return False  # use fail()
             self._status = to
             self.since = self.progress = time.monotonic()
-            return True
+        if self._on_change is not None:
+            self._on_change()
+        return True
 
     def touch(self) -> None:
         self.progress = time.monotonic()
@@ -57,4 +63,6 @@ class RoomState:
             self._status = KVPoll.Failed
             self.failure_reason = reason
             self.since = time.monotonic()
-            return True
+        if self._on_change is not None:
+            self._on_change()
+        return True

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ class PrefillSide:
         self.page_bytes = pool[0].numel() * pool.element_size()
         self.config = config
         self.fingerprint = fingerprint
+        self.on_change: Callable[[], None] | None = None  # given to every room (RoomState)
         self._lock = threading.Lock()  # guards _senders, _pending, _tombstones
         self._senders: dict[int, KVSender] = {}
         self._pending: dict[int, tuple[bytes, np.ndarray, int, float]] = {}

@@ -28,7 +28,7 @@ class KVReceiver:
     def __init__(self, room: int, bootstrap_addr: str, side: DecodeSide) -> None:
         self.room = room
         self.bootstrap_addr = bootstrap_addr
-        self.state = RoomState(room)
+        self.state = RoomState(room, side.on_change)
         self._side = side
         self.dst_pages = np.empty(0, dtype=np.int64)
         self.aux_slot = -1

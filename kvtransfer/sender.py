@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 class KVSender:
     def __init__(self, room: int, side: PrefillSide) -> None:
         self.room = room
-        self.state = RoomState(room)
+        self.state = RoomState(room, side.on_change)
         self._side = side
         self.peer: bytes | None = None  # decode manager identity, set at registration
         self.dst_pages = np.empty(0, dtype=np.int64)

@@ -27,6 +27,7 @@ def build(args: argparse.Namespace, cfg: EngineConfig) -> WorkerParts:
         raise
     sched = PrefillScheduler(parts.runner, parts.memory, cfg.scheduler, kv_manager=kv)
     thread = SchedulerThread(sched, name="prefill-scheduler")
+    kv.wake_on_change(thread.wake)
     service = PrefillService(thread, mc, parts.memory, mc.name, args.transfer_backend,
                              bootstrap_addr=kv.bootstrap_addr,
                              transfer_backends=kv.offered_backends)

@@ -19,6 +19,10 @@ from pdserve.engine.forward_batch import ForwardMode
 log = logging.getLogger(__name__)
 
 
+def _nothing() -> None:
+    pass
+
+
 class SchedulerThread:
     def __init__(self, scheduler: Any, idle_poll_s: float = 0.002, name: str = "scheduler"
                  ) -> None:
@@ -37,9 +41,13 @@ class SchedulerThread:
         """Run `fn` on the scheduler thread before its next iteration."""
         self.inbox.put(fn)
 
+    def wake(self) -> None:
+        """End an idle wait now (from any thread): e.g. a KV room the scheduler polls moved."""
+        self.inbox.put(_nothing)
+
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self.inbox.put(lambda: None)
+        self.inbox.put(_nothing)
         self._thread.join(timeout)
 
     @property

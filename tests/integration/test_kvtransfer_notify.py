@@ -42,3 +42,35 @@ def test_shm_chunks_counted_over_either_channel(direct: bool) -> None:
         assert shm is not None
         shm.close()
     assert pmgr.registered_regions() == [] and dmgr.registered_regions() == []
+
+
+def test_each_side_wakes_its_scheduler_when_a_room_moves() -> None:
+    """The worker's scheduler sleeps between idle polls; every status a room enters (on the
+    control, transfer or receiving threads) calls the manager's wake hook."""
+    cfg = TransferConfig(backend="shm")
+    src_pool, _ = make_pool(PoolSpec(**{**SPEC.__dict__, "seed": 5}))
+    dst_pool, shm = make_pool(PoolSpec(**{**SPEC.__dict__, "shm": True}))
+    pmgr = KVManager("prefill", src_pool, cfg, SPEC.fingerprint())
+    dmgr = KVManager("decode", shm, cfg, SPEC.fingerprint())  # type: ignore[arg-type]
+    woke: dict[str, list[KVPoll]] = {"prefill": [], "decode": []}
+    rooms: dict[str, object] = {}
+    pmgr.wake_on_change(lambda: woke["prefill"].append(rooms["prefill"].poll()))
+    dmgr.wake_on_change(lambda: woke["decode"].append(rooms["decode"].poll()))
+    try:
+        s = rooms["prefill"] = pmgr.create_sender(8)
+        r = rooms["decode"] = dmgr.create_receiver(8, pmgr.bootstrap_addr)
+        r.init([1, 2])
+        assert wait_for(s, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+        s.send([5, 6], 0, True, AuxData(3, 0.0, 0))
+        assert wait_for(r, KVPoll.Success) == KVPoll.Success, r.failure_reason
+        assert wait_for(s, KVPoll.Success) == KVPoll.Success, s.failure_reason
+        assert woke["prefill"][0] == KVPoll.WaitingForInput
+        assert woke["prefill"][-1] == KVPoll.Success and woke["decode"][-1] == KVPoll.Success
+        failing = rooms["decode"] = dmgr.create_receiver(9, pmgr.bootstrap_addr)
+        failing.abort("client gone")
+        assert woke["decode"][-1] == KVPoll.Failed
+    finally:
+        pmgr.close()
+        dmgr.close()
+        assert shm is not None
+        shm.close()

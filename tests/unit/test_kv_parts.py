@@ -102,6 +102,18 @@ def test_room_state_is_monotonic_and_failed_overrides() -> None:
     assert t.advance(KVPoll.Success) and not t.fail("late") and t.status == KVPoll.Success
 
 
+def test_room_state_reports_each_change_and_only_changes() -> None:
+    seen: list[KVPoll] = []
+    s = RoomState(3, lambda: seen.append(s.status))
+    s.advance(KVPoll.WaitingForInput)
+    s.advance(KVPoll.Bootstrapping)  # backwards: no change, no call
+    s.advance(KVPoll.WaitingForInput)  # same state: none either
+    s.fail("gone")
+    s.advance(KVPoll.Success)
+    s.fail("again")
+    assert seen == [KVPoll.WaitingForInput, KVPoll.Failed]
+
+
 def test_chunk_header_roundtrip_and_aux_slots() -> None:
     h = ChunkHeader(2**62 + 3, 1, descs([(1, 2, 3, 0), (9, 40, 1, 3)]), True,
                     AuxData(7, -1.5, 9))
