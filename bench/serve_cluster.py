@@ -85,6 +85,8 @@ def _cpu_s(pid: int) -> float:
 class Cluster:
     def __init__(self, args: argparse.Namespace, topo: str) -> None:
         prefill, decode, mixed, extra = TOPOLOGIES[topo]
+        if "--spatial" in extra:
+            extra = (*extra, *getattr(args, "spatial_flags", ()))
         cmd = [sys.executable, "-m", "pdserve", "up", "--model-shape", args.model_shape,
                "--device", args.device, "--port", "0", "--prefill", prefill, "--decode", decode,
                "--mixed", mixed, *extra, "--worker-arg=--max-running=256",

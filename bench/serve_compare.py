@@ -114,6 +114,21 @@ def prompts(w: Workload, seed: int) -> list[list[int]]:
     return [r.prompt for r in build_workload(cfg, warmup=cfg.warmup)[cfg.warmup:]]
 
 
+def spatial_flags(split: str) -> list[str]:
+    """`pdserve up` flags of an `--sm-split P/D` ("" -> none: its defaults)."""
+    if not split:
+        return []
+    from pdserve.worker.sm_share import check_share
+
+    parts = split.split("/")
+    if len(parts) != 2:
+        raise ValueError(f"expected P/D, e.g. 0.5/1.0, got {split!r}")
+    prefill, decode = (float(x) for x in parts)
+    check_share("prefill share", prefill)
+    check_share("decode share", decode)
+    return [f"--prefill-sm-share={prefill}", f"--decode-sm-share={decode}"]
+
+
 def _topologies(served: dict) -> list[str]:
     """The columns: mixed and 1P1D always (a dash where not run), 1P1D spatial when run."""
     return [t for t in TARGETS if t in ("mixed", "pd") or t in served]
@@ -178,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topologies", default="mixed,pd",
                    help="served clusters to run, of " + ", ".join(TARGETS)
                         + " (pd-spatial: pdserve up --spatial)")
+    p.add_argument("--sm-split", default="", metavar="P/D",
+                   help="pd-spatial: the prefill and decode workers' shares of the SMs (e.g. "
+                        "0.5/1.0: prefill capped at half, decode uncapped; default: pdserve "
+                        "up's)")
     p.add_argument("--no-check", action="store_true", help="skip the independent client")
     p.add_argument("--step-trace", action="store_true",
                    help="every scheduler writes its steps to OUT/steps (PDSERVE_STEP_TRACE); "
@@ -194,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [t for t in args.topologies.split(",") if t and t not in TARGETS]
     if unknown:
         p.error(f"--topologies: unknown {', '.join(unknown)} (choose from {', '.join(TARGETS)})")
+    try:
+        args.spatial_flags = spatial_flags(args.sm_split)
+    except ValueError as e:
+        p.error(f"--sm-split: {e}")
     loads = workloads_of(args)
     os.makedirs(args.out, exist_ok=True)
     steps_dir = os.path.join(os.path.abspath(args.out), "steps")

@@ -80,3 +80,17 @@ def test_every_topology_has_a_cluster_a_target_and_a_label() -> None:
     from pdserve.bench.serve_compare import LABELS, TARGETS
 
     assert set(TOPOLOGIES) == set(TARGETS) == set(LABELS)
+
+
+def test_sm_split_becomes_the_spatial_cluster_flags(capsys, tmp_path) -> None:
+    from pdserve.bench.serve_compare import spatial_flags
+
+    assert spatial_flags("") == []
+    assert spatial_flags("0.5/1.0") == ["--prefill-sm-share=0.5", "--decode-sm-share=1.0"]
+    for bad in ("0.5", "0.5/0", "x/1", "0.5/1.5"):
+        with pytest.raises(ValueError):
+            spatial_flags(bad)
+    with pytest.raises(SystemExit):
+        main(["--sm-split", "0.4", "--out", str(tmp_path / "o")])
+    assert "--sm-split: expected P/D" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
