@@ -6,9 +6,10 @@ measured on the GPU in one run (the choices the engine makes are checked against
   the [N, K] weight and a matmul on a [K, N] copy (= a column-major weight), each with cuBLAS
   and with cuBLASLt preferred; weights cycled through enough copies that L2 (50 MB on an H200)
   never holds them;
-- decode attention over the 32 layers of a paged pool, context 1k at batch 1 / 8 / 64 / 256 and
-  one 32k sequence among 1k ones at batch 64 / 256: FlashInfer with and without tensor cores,
-  our Triton split-KV kernel at several split counts, our work-list kernel; FlashInfer's other
+- decode attention over the 32 layers of a paged pool, context 1k at batch 1 / 8 / 64 / 256,
+  2k and 4k at batch 1, 2k at batch 8, and one 32k sequence among 1k ones at batch 64 / 256:
+  FlashInfer with and without tensor cores, our Triton split-KV kernel at several split counts
+  (up to batch 8 also with the V load issued early), our work-list kernel; FlashInfer's other
   decode variants (`decode_variants`); how fast HBM can be read at all (`read`);
 - prefill attention over 4096 tokens: FlashInfer paged and ragged, backends auto / fa2 / fa3;
 - a whole 4096-token prefill (row- and column-major weights): host time of planning and of
@@ -324,7 +325,7 @@ def decode_choices() -> None:
 
     sms = num_sms(torch.device("cuda"))
     cases = [[1024] * b for b in (1, 8, 64, 256)]
-    cases += [[1024] * 63 + [32768], [1024] * 255 + [32768]]
+    cases += [[1024] * 63 + [32768], [1024] * 255 + [32768], [2048], [4096], [2048] * 8]
     for lens, fb, q, views, ws in _decode_batches(cases):
         bs = len(lens)
 
@@ -332,15 +333,19 @@ def decode_choices() -> None:
             w = _flashinfer_decode(ws, fb, tc)  # planned now: the wrappers share `ws`
             return lambda i: w.run(q, views[i])
 
-        def split_kv(s: int, q=q, views=views, fb=fb):  # noqa: ANN001, ANN202
+        def split_kv(s: int, early_v: bool = False, q=q, views=views, fb=fb):  # noqa: ANN001, ANN202
             return lambda i: decode_attention(q, *views[i], fb.kv_indptr, fb.kv_indices,
-                                              DECODE["d"] ** -0.5, num_splits=s)
+                                              DECODE["d"] ** -0.5, num_splits=s,
+                                              early_v=early_v)
 
         makers = {f"flashinfer_tc{int(tc)}": partial(flashinfer, tc) for tc in (True, False)}
         default = default_num_splits(bs, DECODE["hk"], sms)
         for splits in sorted({default, 4, 8, 16, 32}):
             makers[f"triton_s{splits}{'*' if splits == default else ''}"] = partial(split_kv,
                                                                                    splits)
+        if bs <= 8:  # latency-bound: the V load issued before the score matmul
+            for splits in sorted({default, 32}):
+                makers[f"triton_s{splits}_early_v"] = partial(split_kv, splits, True)
         makers["triton_worklist"] = partial(_worklist_pass, q, views, fb)
         ref = None
         for name, make in makers.items():
@@ -349,7 +354,8 @@ def decode_choices() -> None:
             ref = out if ref is None else ref
             diff = float((out.float() - ref.float()).abs().max())
             sec = graph_time(run, DECODE["layers"], reps=5)
-            emit(exp="decode_attn", bs=bs, lens="1k" if len(set(lens)) == 1 else "one 32k",
+            emit(exp="decode_attn", bs=bs, lens=(f"{lens[0] // 1024}k" if len(set(lens)) == 1
+                                                  else "one 32k"),
                  variant=name, us_per_layer=round(sec * 1e6, 2), kv_tbps=_kv_tbps(lens, sec),
                  max_diff=diff)
 

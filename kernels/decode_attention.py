@@ -77,7 +77,7 @@ def _decode_stage1(
     stride_mb, stride_mh, stride_ms,
     NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, EARLY_V: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
@@ -92,7 +92,7 @@ def _decode_stage1(
     out, lse, heads, g_mask, d, d_mask = attend_chunk(
         q_ptr, kc_ptr, vc_ptr, indices_ptr + seq_start, b, kvh, start, end, sm_scale, stride_qb,
         stride_qh, stride_cp, stride_co, stride_ch, PAGE_SIZE, GROUP, HEAD_DIM, BLOCK_G,
-        BLOCK_N, BLOCK_D, False)
+        BLOCK_N, BLOCK_D, EARLY_V)
     mid = b.to(tl.int64) * stride_mb + heads * stride_mh + split * stride_ms
     tl.store(mid_o_ptr + mid[:, None] + d[None, :], out,
              mask=g_mask[:, None] & d_mask[None, :])
@@ -152,8 +152,11 @@ def default_num_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      kv_indptr: torch.Tensor, kv_indices: torch.Tensor, scale: float,
-                     num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D]; k_cache/v_cache [P, page_size, kv_heads, D] strided views."""
+                     num_splits: int, out: torch.Tensor | None = None,
+                     early_v: bool = False) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]; k_cache/v_cache [P, page_size, kv_heads, D] strided views.
+    `early_v`: each block's V load is issued before its score matmul (A/B in
+    bench/gpu_kernel_choices.py)."""
     b, num_heads, head_dim = q.shape
     page_size, num_kv_heads, group = check_decode_args(q, k_cache, v_cache)
     out = torch.empty_like(q) if out is None else out
@@ -171,7 +174,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         sb, sh, ss,
         NUM_SPLITS=num_splits, PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64, BLOCK_D=block_d,
-        USE_PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl,
+        USE_PDL=pdl, EARLY_V=early_v, num_warps=4, num_stages=2, launch_pdl=pdl,
     )
     _decode_stage2[(b, num_heads)](
         mid_o, mid_lse, out, sb, sh, ss, out.stride(0), out.stride(1),
