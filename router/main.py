@@ -15,6 +15,7 @@ from typing import Any
 
 from pdserve.engine.model_shapes import LOAD_FORMATS, shape_names, vocab_size
 from pdserve.engine.served_tokenizer import config_vocab_size
+from pdserve.pauses import settle_heap
 from pdserve.proto.rpc import run_event_loop
 from pdserve.router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
 from pdserve.router.k8s_discovery import K8sDiscoveryConfig
@@ -138,6 +139,7 @@ def dummy_vocab_size(args: argparse.Namespace) -> int | None:
 async def serve(config: RouterConfig, tokenizer: Any = None) -> None:
     server = RouterServer(config, tokenizer)
     await server.start()
+    settle_heap()  # the tokenizer and start-up's objects out of every later collection
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, server.request_stop)

@@ -26,6 +26,7 @@ from pdserve.engine.engine import EngineConfig, EngineParts
 from pdserve.engine.model_shapes import add_model_source_args
 from pdserve.engine.tp.ranks import RankError
 from pdserve.engine.warmup import warm_up
+from pdserve.pauses import SWITCH_INTERVAL_MS, set_switch_interval, settle_heap
 from pdserve.proto.rpc import run_event_loop
 from pdserve.worker.ranks import EXIT_RANK_LOST, exit_on_rank_loss, rank_pids
 from pdserve.worker.router_link import RouterLink
@@ -98,6 +99,10 @@ def parser(role: str, add_role_args: Callable[[argparse.ArgumentParser], None] |
     p.add_argument("--sm-share", type=float, default=1.0, metavar="F",
                    help="CUDA: use at most this share of the GPU's SMs, under an MPS control "
                         "daemon (worker/sm_share.py; `pdserve up --spatial` starts one)")
+    p.add_argument("--switch-interval-ms", type=float, default=SWITCH_INTERVAL_MS, metavar="MS",
+                   help="the GIL's switch interval: how long the scheduler thread may wait "
+                        "for the event loop's thread to let go of it (pdserve/pauses.py; "
+                        "Python's default is 5)")
     p.add_argument("--log-level", default="WARNING")
     if add_role_args is not None:
         add_role_args(p)
@@ -131,6 +136,7 @@ async def _serve(role: str, args: argparse.Namespace, build: Build) -> int:
             lambda: (hurry.set(), stop.set())))
     if not args.skip_warmup:  # before the scheduler thread owns the engine, and registration
         service.warmup_s = warm_up(thread.scheduler, log=log.info)
+    settle_heap()  # start-up's objects out of every later collection
     thread.start()
     server, port, health = await start_grpc_server(
         service, args.host, args.port, args.registration_secret or None, args.tls_cert,
@@ -186,6 +192,11 @@ def run(role: str, argv: list[str] | None, build: Build,
     args = parser(role, add_role_args).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    try:
+        set_switch_interval(args.switch_interval_ms)
+    except ValueError as e:
+        print(f"pdserve {role}: error: {e}", file=sys.stderr)
+        return 2
     if args.threads > 0:
         import torch
 
