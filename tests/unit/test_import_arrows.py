@@ -28,7 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     # the CLI and `pdserve up` start any component
     "pdserve": set(FOLDERS),
 }
-LEAVES = {"pdserve.envs"}  # importable from anywhere; imports no other pdserve module
+# Importable from anywhere; they import no other pdserve module.
+LEAVES = {"pdserve.envs", "pdserve.pauses"}
 
 
 def _folder_of(module: str) -> str | None:
