@@ -154,7 +154,11 @@ class Scheduler:
             return
         reqs = [batch.entries[i].req for i in done]
         self._sample_and_append(reqs, logits[done])
+        # The tokens are on the host now, so the forward has run: a prompt's prefill time
+        # counts the device's work, not only the host's launches (asynchronous on CUDA).
+        synced = time.perf_counter() - t0 - dt
         for r in reqs:
+            r.prefill_s += synced
             r.kv_len = r.seq_len - 1  # the sampled token has no KV yet
             self.on_prefill_done(r)
 
