@@ -71,7 +71,7 @@ def _run(argv: list[str], timeout_s: float, log_path: str, cwd: str) -> str:
 
 def run_setup(args: argparse.Namespace, setup: Setup, deadline: float) -> Outcome:
     res = Outcome(setup)
-    out_dir = os.path.join(args.out, setup.name.replace(":", "-").replace("+", "-"))
+    out_dir = os.path.join(args.out, setup.dir_name)
     os.makedirs(out_dir, exist_ok=True)
     up = [*shlex.split(args.model_args), "--device", args.device, "--port", "0",
           "--ready-timeout", f"{args.ready_timeout:g}",

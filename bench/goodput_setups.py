@@ -2,7 +2,8 @@
 
 A set-up is written `KIND[:ARG][+slo][@R1/R2/...]`:
 - `spatial[:SHARE]`: 1 prefill + 1 decode on one GPU, split by SMs (`--spatial`, prefill on
-  SHARE of the SMs, decode on the rest);
+  SHARE of the SMs, decode on the rest); `spatial:P/D` caps them at P and D (they may overlap,
+  e.g. `spatial:0.6/1.0`: prefill on at most 60% of the SMs, decode on any);
 - `timesliced`: the same two workers without the split (the GPU time-slices their contexts);
 - `mixed[:CHUNK]`: one colocated worker, chunked prefill of CHUNK tokens (default 2048);
 - `+slo`: the router's SLO dispatch on (`--slo-ttft-ms`, `--slo-itl-ms` from the SLOs);
@@ -26,6 +27,24 @@ DEFAULT_RATES: dict[str, tuple[float, ...]] = {
 }
 
 
+def spatial_flags(split: str) -> list[str]:
+    """`pdserve up` flags of an SM split `P/D` ("" -> none: its defaults)."""
+    if not split:
+        return []
+    from pdserve.worker.sm_share import check_share
+
+    parts = split.split("/")
+    if len(parts) != 2:
+        raise ValueError(f"expected P/D, e.g. 0.5/1.0, got {split!r}")
+    try:
+        prefill, decode = (float(x) for x in parts)
+    except ValueError:
+        raise ValueError(f"expected P/D as two numbers, e.g. 0.5/1.0, got {split!r}") from None
+    check_share("prefill share", prefill)
+    check_share("decode share", decode)
+    return [f"--prefill-sm-share={prefill}", f"--decode-sm-share={decode}"]
+
+
 @dataclass(frozen=True)
 class Setup:
     name: str
@@ -34,6 +53,11 @@ class Setup:
     slo_dispatch: bool
     rates: tuple[float, ...]
 
+    @property
+    def dir_name(self) -> str:
+        """The set-up's folder under the run's output, e.g. spatial-0.6-1.0."""
+        return self.name.replace(":", "-").replace("+", "-").replace("/", "-")
+
     def up_args(self, slo_ttft_ms: float, slo_itl_ms: float) -> list[str]:
         """`pdserve up` flags of this set-up (besides model, device and port)."""
         if self.kind == "mixed":
@@ -41,7 +65,9 @@ class Setup:
                     f"--worker-arg=--chunked-prefill-size={self.arg or 2048}"]
         else:
             args = ["--prefill", "1", "--decode", "1"]
-        if self.kind == "spatial":
+        if self.kind == "spatial" and "/" in self.arg:
+            args += ["--spatial", *spatial_flags(self.arg)]
+        elif self.kind == "spatial":
             args += ["--spatial"] + (["--prefill-sm-share", self.arg] if self.arg else [])
         if self.slo_dispatch:
             args += [f"--router-arg=--slo-ttft-ms={slo_ttft_ms:g}",
@@ -57,7 +83,12 @@ def parse_setup(spec: str) -> Setup:
     kind, _, arg = text.partition(":")
     if kind not in KINDS:
         raise ValueError(f"setups: unknown kind {kind!r} in {spec!r} (choose from {KINDS})")
-    if arg:
+    if kind == "spatial" and "/" in arg:
+        try:
+            spatial_flags(arg)
+        except ValueError as e:
+            raise ValueError(f"setups: {spec!r}: {e}") from None
+    elif arg:
         try:
             value = float(arg)
         except ValueError:

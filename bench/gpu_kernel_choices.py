@@ -10,7 +10,9 @@ measured on the GPU in one run (the choices the engine makes are checked against
   2k and 4k at batch 1, 2k at batch 8, and one 32k sequence among 1k ones at batch 64 / 256:
   FlashInfer with and without tensor cores, our Triton split-KV kernel at several split counts
   (up to batch 8 also with the V load issued early), our work-list kernel; FlashInfer's other
-  decode variants (`decode_variants`); how fast HBM can be read at all (`read`);
+  decode variants (`decode_variants`); our split-KV kernel alone at batch 1 and 8 over 1k / 2k
+  / 4k contexts, by split count, V load order and KV tokens per step (`decode_small`, no
+  FlashInfer); how fast HBM can be read at all (`read`);
 - prefill attention over 4096 tokens: FlashInfer paged and ragged, backends auto / fa2 / fa3;
 - a whole 4096-token prefill (row- and column-major weights): host time of planning and of
   enqueueing against GPU time, kernel time by kernel, and the idle gaps between GPU operations;
@@ -18,7 +20,7 @@ measured on the GPU in one run (the choices the engine makes are checked against
   sweep of block shapes and warps, plain and with their fused prologues / epilogues.
 
 usage: python3 -P -m pdserve.bench.gpu_kernel_choices
-    [--only linear,decode,prefill,prefill_model,gemv,read,decode_variants]
+    [--only linear,decode,prefill,prefill_model,gemv,read,decode_variants,decode_small]
 """
 
 from __future__ import annotations
@@ -318,9 +320,9 @@ def _kv_tbps(lens: list[int], sec_per_layer: float) -> float:
 def decode_choices() -> None:
     """Decode attention over the 32 layers of a paged pool, context 1k at batch 1 / 8 / 64 /
     256, and one sequence of 32k among sequences of 1k at batch 64 / 256: FlashInfer with and
-    without tensor cores, our split-KV kernel at several split counts (* = default) and our
+    without tensor cores, our split-KV kernel at several split counts (* = the default) and our
     work-list kernel (worklist_config)."""
-    from pdserve.kernels.decode_attention import decode_attention, default_num_splits
+    from pdserve.kernels.decode_attention import split_kv_config
     from pdserve.kernels.device import num_sms
 
     sms = num_sms(torch.device("cuda"))
@@ -333,19 +335,15 @@ def decode_choices() -> None:
             w = _flashinfer_decode(ws, fb, tc)  # planned now: the wrappers share `ws`
             return lambda i: w.run(q, views[i])
 
-        def split_kv(s: int, early_v: bool = False, q=q, views=views, fb=fb):  # noqa: ANN001, ANN202
-            return lambda i: decode_attention(q, *views[i], fb.kv_indptr, fb.kv_indices,
-                                              DECODE["d"] ** -0.5, num_splits=s,
-                                              early_v=early_v)
-
         makers = {f"flashinfer_tc{int(tc)}": partial(flashinfer, tc) for tc in (True, False)}
-        default = default_num_splits(bs, DECODE["hk"], sms)
-        for splits in sorted({default, 4, 8, 16, 32}):
-            makers[f"triton_s{splits}{'*' if splits == default else ''}"] = partial(split_kv,
-                                                                                   splits)
+        default, default_n = split_kv_config(bs, DECODE["hk"], sms)
+        makers[f"triton_s{default}_n{default_n}*"] = partial(
+            _split_kv_run, q, views, fb, num_splits=default, block_n=default_n)
+        for splits in (4, 8, 16, 32):  # 64-token steps
+            makers[f"triton_s{splits}"] = partial(_split_kv_run, q, views, fb, num_splits=splits)
         if bs <= 8:  # latency-bound: the V load issued before the score matmul
-            for splits in sorted({default, 32}):
-                makers[f"triton_s{splits}_early_v"] = partial(split_kv, splits, True)
+            makers["triton_s32_early_v"] = partial(_split_kv_run, q, views, fb, num_splits=32,
+                                                   early_v=True)
         makers["triton_worklist"] = partial(_worklist_pass, q, views, fb)
         ref = None
         for name, make in makers.items():
@@ -358,6 +356,40 @@ def decode_choices() -> None:
                                                   else "one 32k"),
                  variant=name, us_per_layer=round(sec * 1e6, 2), kv_tbps=_kv_tbps(lens, sec),
                  max_diff=diff)
+
+
+def decode_small() -> None:
+    """Our split-KV decode kernel at batch 1 and 8, contexts 1k / 2k / 4k: split counts 8 to
+    64 (* = default), the V load early or not, 32 or 64 KV tokens per step."""
+    from pdserve.kernels.decode_attention import split_kv_config
+    from pdserve.kernels.device import num_sms
+
+    sms = num_sms(torch.device("cuda"))
+    cases = [[n] * b for b in (1, 8) for n in (1024, 2048, 4096)]
+    for lens, fb, q, views, _ws in _decode_batches(cases):
+        default, default_n = split_kv_config(len(lens), DECODE["hk"], sms)
+        ref = None
+        for splits in (8, 16, 32, 64):
+            for early_v in (False, True):
+                for block_n in (32, 64):
+                    run = _split_kv_run(q, views, fb, num_splits=splits, early_v=early_v,
+                                        block_n=block_n)
+                    out = run(0)
+                    ref = out if ref is None else ref
+                    sec = graph_time(run, DECODE["layers"], reps=5)
+                    emit(exp="decode_small", bs=len(lens), lens=f"{lens[0] // 1024}k",
+                         splits=splits, default=(splits, block_n) == (default, default_n),
+                         early_v=early_v, block_n=block_n, us_per_layer=round(sec * 1e6, 2),
+                         kv_tbps=_kv_tbps(lens, sec),
+                         max_diff=float((out.float() - ref.float()).abs().max()))
+
+
+def _split_kv_run(q, views, fb, **kw):  # noqa: ANN001, ANN003, ANN202
+    """run(i): our split-KV decode kernel over layer i's (K, V) views, with `kw`."""
+    from pdserve.kernels.decode_attention import decode_attention
+
+    return lambda i: decode_attention(q, *views[i], fb.kv_indptr, fb.kv_indices,
+                                      DECODE["d"] ** -0.5, **kw)
 
 
 def decode_variants() -> None:
@@ -595,7 +627,8 @@ def main() -> int:
     return run_sections(__doc__, {
         "linear": linear_choices, "decode": decode_choices, "prefill": prefill_choices,
         "prefill_model": prefill_model, "gemv": gemv_choices, "read": read_ceiling,
-        "decode_variants": decode_variants}, "linear,decode,prefill_model,prefill")
+        "decode_variants": decode_variants, "decode_small": decode_small},
+        "linear,decode,prefill_model,prefill")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from pdserve.bench.goodput_setups import spatial_flags
 from pdserve.engine.model_shapes import shape_names
 
 
@@ -112,21 +113,6 @@ def prompts(w: Workload, seed: int) -> list[list[int]]:
 
     cfg = config_from_args(bench_args(w, seed, default_tokenizer_path()))
     return [r.prompt for r in build_workload(cfg, warmup=cfg.warmup)[cfg.warmup:]]
-
-
-def spatial_flags(split: str) -> list[str]:
-    """`pdserve up` flags of an `--sm-split P/D` ("" -> none: its defaults)."""
-    if not split:
-        return []
-    from pdserve.worker.sm_share import check_share
-
-    parts = split.split("/")
-    if len(parts) != 2:
-        raise ValueError(f"expected P/D, e.g. 0.5/1.0, got {split!r}")
-    prefill, decode = (float(x) for x in parts)
-    check_share("prefill share", prefill)
-    check_share("decode share", decode)
-    return [f"--prefill-sm-share={prefill}", f"--decode-sm-share={decode}"]
 
 
 def _topologies(served: dict) -> list[str]:

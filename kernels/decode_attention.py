@@ -134,29 +134,41 @@ def check_decode_args(q: torch.Tensor, k_cache: torch.Tensor,
     return page_size, num_kv_heads, num_heads // num_kv_heads
 
 
-def default_num_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
-    """About one (batch x kv_head x split) program per SM when the batch is small (a power of
-    two <= 16), and never fewer than 8 splits on a large GPU.
+SMALL_BATCH = 8  # up to here: 32 KV tokens per inner step and more splits (split_kv_config)
 
-    Measured on an H200 (132 SMs, 8 KV heads, context 1k; docs/performance.md): the best split
-    counts were 16 at batch 1 and 8 at batches 8, 64 and 256, where more programs per sequence
-    keep more loads in flight; the rule before (programs ~4x the SMs, <= 32) picked 32, 16, 2
-    and 1, up to 1.07x slower. A function of the batch size only, so one CUDA graph per batch
-    size fixes it.
+
+def split_kv_config(batch_size: int, num_kv_heads: int, num_sms: int) -> tuple[int, int]:
+    """(num_splits, block_n) of the split-KV kernel for a decode batch: a function of the batch
+    size only, so one CUDA graph per batch size fixes it. A split's length is rounded up to
+    `block_n` tokens, so a context shorter than splits x block_n leaves the last splits empty
+    (they return at once): the split count caps the parallelism, and longer contexts use it.
+
+    Measured on an H200 (132 SMs, 8 KV heads; docs/performance.md), per layer at batch 1: 1k /
+    2k / 4k contexts 8.3 / 9.1 / 12.3 us with 64 splits of 32-token steps against 8.2 / 12.1 /
+    20.0 with 16 splits of 64 (the rule before, tuned at 1k only); at batch 8, 32 splits of 32
+    tokens 18.2 / 28.4 / 47.5 against 18.4 / 29.9 / 50.5 with 8 of 64. Above batch 8 (the
+    Triton backend's split-KV range up to the work list): about one (sequence x KV head x
+    split) program per SM, never fewer than 8 splits on a large GPU, 64-token steps.
     """
-    per_sm = num_sms // max(1, batch_size * num_kv_heads)
-    fill = 1 << (per_sm.bit_length() - 1) if per_sm > 0 else 1  # largest power of two <= it
     floor = min(8, max(1, num_sms // 16))
-    return max(floor, min(16, fill))
+    if batch_size <= SMALL_BATCH:
+        fill = _pow2_floor(max(4 * num_sms // max(1, batch_size * num_kv_heads), num_sms // 4))
+        return max(floor, min(64, fill)), 32
+    fill = _pow2_floor(num_sms // max(1, batch_size * num_kv_heads))
+    return max(floor, min(16, fill)), 64
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1) if n > 0 else 1
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      kv_indptr: torch.Tensor, kv_indices: torch.Tensor, scale: float,
                      num_splits: int, out: torch.Tensor | None = None,
-                     early_v: bool = False) -> torch.Tensor:
+                     early_v: bool = False, block_n: int = 64) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]; k_cache/v_cache [P, page_size, kv_heads, D] strided views.
-    `early_v`: each block's V load is issued before its score matmul (A/B in
-    bench/gpu_kernel_choices.py)."""
+    `early_v`: each block's V load is issued before its score matmul; `block_n`: KV tokens per
+    inner step (A/Bs in bench/gpu_kernel_choices.py)."""
     b, num_heads, head_dim = q.shape
     page_size, num_kv_heads, group = check_decode_args(q, k_cache, v_cache)
     out = torch.empty_like(q) if out is None else out
@@ -173,7 +185,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         sb, sh, ss,
         NUM_SPLITS=num_splits, PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64, BLOCK_D=block_d,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         USE_PDL=pdl, EARLY_V=early_v, num_warps=4, num_stages=2, launch_pdl=pdl,
     )
     _decode_stage2[(b, num_heads)](

@@ -26,14 +26,14 @@ class TritonAttentionBackend(AttentionBackend):
         self._store = kv_store.store_kv
         self._decode = decode_attention.decode_attention
         self._extend = extend_attention.extend_attention
-        self._num_splits_for = decode_attention.default_num_splits
+        self._split_kv_for = decode_attention.split_kv_config
         self._worklist = decode_worklist
         dev = torch.device(device) if device is not None else torch.device("cpu")
         self._num_sms = num_sms(dev)
         self._fb: ForwardBatch | None = None
         self._qo_indptr: torch.Tensor | None = None
         self._max_extend = 0
-        self._num_splits = 1
+        self._split_kv = (1, 64)  # (num_splits, block_n) of this decode batch
         self._worklist_cfg: dict[str, int] | None = None  # set: this decode batch's work list
         self._decode_plan = None
         self._last_layer = -1
@@ -52,7 +52,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self._worklist_cfg = self._worklist.worklist_config(b)
             else:
                 self._worklist_cfg = None
-                self._num_splits = self._num_splits_for(b, hk, self._num_sms)
+                self._split_kv = self._split_kv_for(b, hk, self._num_sms)
             return
         ext = fb.extend_lens
         self._qo_indptr = torch.zeros(ext.shape[0] + 1, dtype=torch.int64, device=ext.device)
@@ -82,8 +82,9 @@ class TritonAttentionBackend(AttentionBackend):
         if fb.mode == ForwardMode.DECODE or qo_indptr is None:
             cfg = self._worklist_cfg
             if cfg is None:
+                splits, block_n = self._split_kv
                 return self._decode(q, kc, vc, fb.kv_indptr, fb.kv_indices, scale,
-                                    num_splits=self._num_splits)
+                                    num_splits=splits, block_n=block_n)
             if self._decode_plan is None or layer_id <= self._last_layer:  # a new pass
                 self._decode_plan = self._worklist.decode_plan(
                     fb.kv_indptr, fb.batch_size, cfg["target_items"], cfg["block_n"])

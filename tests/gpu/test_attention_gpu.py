@@ -73,7 +73,7 @@ def _paged(seq_lens: list[int], page: int, num_pages: int, seed: int):
                                       [1024] * 255 + [32768]])
 def test_decode_kernel_bf16(seq_lens: list[int]) -> None:
     from pdserve.kernels.attention_reference import decode_attention_reference
-    from pdserve.kernels.decode_attention import decode_attention, default_num_splits
+    from pdserve.kernels.decode_attention import decode_attention, split_kv_config
     from pdserve.kernels.decode_worklist import decode_attention_worklist, decode_plan
 
     page, num_pages = 16, 1 + sum(-(-n // 16) for n in seq_lens) + 4
@@ -82,9 +82,11 @@ def test_decode_kernel_bf16(seq_lens: list[int]) -> None:
     q = torch.randn(len(seq_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
     kc, vc = pool[:, 1, 0], pool[:, 1, 1]
     want = decode_attention_reference(q, kc, vc, indptr, indices, 128**-0.5)
-    for splits in (1, default_num_splits(len(seq_lens), 8, 132), 32):
-        out = decode_attention(q, kc, vc, indptr, indices, 128**-0.5, num_splits=splits)
-        assert rel_diff(out, want) < 1e-2, splits
+    for splits, block_n in ((1, 64), split_kv_config(len(seq_lens), 8, 132), (32, 64),
+                            (64, 32)):
+        out = decode_attention(q, kc, vc, indptr, indices, 128**-0.5, num_splits=splits,
+                               block_n=block_n)
+        assert rel_diff(out, want) < 1e-2, (splits, block_n)
     b = len(seq_lens)
     for target, block_n in ((1, 64), (b + b // 16, 128), (300, 128)):
         plan = decode_plan(indptr, b, target, block_n)

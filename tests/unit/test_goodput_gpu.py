@@ -28,7 +28,13 @@ def test_setup_specs():
     t = parse_setup("timesliced")
     assert t.up_args(1000, 12) == ["--prefill", "1", "--decode", "1"]
     assert "--prefill-sm-share" not in parse_setup("spatial").up_args(1000, 12)
-    for bad in ("gpu", "spatial:1.5", "spatial:x", "mixed:0", "mixed:51.5", "timesliced:3",
+    o = parse_setup("spatial:0.6/1.0@10/12")
+    assert (o.kind, o.arg, o.rates, o.dir_name) == ("spatial", "0.6/1.0", (10.0, 12.0),
+                                                    "spatial-0.6-1.0")
+    assert o.up_args(1000, 12)[-3:] == ["--spatial", "--prefill-sm-share=0.6",
+                                        "--decode-sm-share=1.0"]
+    for bad in ("gpu", "spatial:1.5", "spatial:x", "spatial:0.6/1.5", "spatial:0.5/x",
+                "spatial:0.2/0.3/0.5", "mixed:0", "mixed:51.5", "timesliced:3",
                 "mixed+fast", "mixed@1/x"):
         with pytest.raises(ValueError, match="setups"):
             parse_setup(bad)

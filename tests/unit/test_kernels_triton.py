@@ -95,10 +95,11 @@ def test_page_copy_rejects_mismatch() -> None:
                       pool, [1, 2])
 
 
-@pytest.mark.parametrize("heads,kv_heads,splits,early_v", [
-    (4, 4, 1, False), (8, 2, 4, False), (6, 1, 3, False), (4, 2, 32, False), (8, 2, 4, True)])
+@pytest.mark.parametrize("heads,kv_heads,splits,early_v,block_n", [
+    (4, 4, 1, False, 64), (8, 2, 4, False, 64), (6, 1, 3, False, 64), (4, 2, 32, False, 64),
+    (8, 2, 4, True, 64), (8, 2, 8, False, 16)])
 def test_decode_attention_matches_reference(heads: int, kv_heads: int, splits: int,
-                                            early_v: bool) -> None:
+                                            early_v: bool, block_n: int) -> None:
     d, seq_lens = 16, [1, 7, 33, 70, 4]
     num_pages = 1 + sum(-(-n // PAGE) for n in seq_lens) + 3
     pool = _pool(num_pages, kv_heads, d, 3)
@@ -106,7 +107,7 @@ def test_decode_attention_matches_reference(heads: int, kv_heads: int, splits: i
     q = torch.randn(len(seq_lens), heads, d, generator=torch.Generator().manual_seed(5)).to(DEV)
     kc, vc = pool[:, 2, 0], pool[:, 2, 1]
     out = decode_attention(q, kc, vc, indptr, indices, d**-0.5, num_splits=splits,
-                           early_v=early_v)
+                           early_v=early_v, block_n=block_n)
     want = decode_attention_reference(q, kc, vc, indptr, indices, d**-0.5)
     torch.testing.assert_close(out, want, atol=TOL, rtol=TOL)
 
