@@ -17,6 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from pdserve.engine import req_trace
 from pdserve.engine.req import Req
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvtransfer.aux import AuxData
@@ -140,6 +141,7 @@ class DecodeScheduler(Scheduler):
             slots = self.memory.req_to_token.read(req.req_pool_idx, 0, len(req.input_ids))
             pages = (slots[::ps] // ps).tolist()
             req.t_prealloc = time.perf_counter()
+            req_trace.stamp("registered", req.rid)
             try:
                 req.receiver.init(pages)
             except (ValueError, RuntimeError, OSError) as e:
@@ -168,6 +170,7 @@ class DecodeScheduler(Scheduler):
     def _start_from_transfer(self, req: DecodeReq, aux: AuxData) -> None:
         """Build the running request from received pages + aux: no forward pass."""
         req.t_transferred = time.perf_counter()
+        req_trace.stamp("transferred", req.rid)
         req.kv_len = len(req.input_ids)
         req.cached_tokens = int(aux.cached_tokens)
         tok = int(aux.first_token_id)

@@ -16,6 +16,7 @@ from collections import deque
 
 import torch
 
+from pdserve.engine import req_trace
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.forward_batch import ForwardMode
 from pdserve.engine.memory import KVMemory
@@ -142,6 +143,9 @@ class Scheduler:
         return ScheduleBatch(ForwardMode.EXTEND, [e.req for e in entries], entries)
 
     def run_extend(self, batch: ScheduleBatch) -> None:
+        if req_trace.enabled():
+            for e in batch.entries:
+                req_trace.stamp("extend", e.req.rid)
         t0 = time.perf_counter()
         logits = self.runner.forward(batch, self.memory)
         done = [i for i, e in enumerate(batch.entries) if e.completes]
@@ -203,6 +207,10 @@ class Scheduler:
         top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         now = time.perf_counter()
+        if req_trace.enabled():  # before any token is streamed
+            for r in reqs:
+                if r.first_token_time is None:
+                    req_trace.stamp("sampled", r.rid)
         for i, r in enumerate(reqs):
             tok = ids[i]
             r.output_ids.append(tok)

@@ -75,15 +75,9 @@ def summarize(lines: list[str]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     """`pdserve kvtrace LOG`: the stage medians of a PDSERVE_KV_TRACE=1 log, as JSON."""
-    import argparse
-    import json
+    from pdserve.trace_log import summary_main
 
-    p = argparse.ArgumentParser(prog="pdserve kvtrace", description=main.__doc__)
-    p.add_argument("log", help="stderr of a run with PDSERVE_KV_TRACE=1")
-    args = p.parse_args(argv)
-    with open(args.log, errors="replace") as f:
-        print(json.dumps(summarize(f.read().replace("\r", "\n").splitlines())))
-    return 0
+    return summary_main("pdserve kvtrace", main.__doc__, "PDSERVE_KV_TRACE", summarize, argv)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pdserve.engine.generate_cli", "offline generation from a JSONL prompt file"),
     "kvbench": ("pdserve.bench.kv", "benchmark KV page transfer between two processes"),
     "kvtrace": ("pdserve.kvtransfer.trace", "stage medians of a PDSERVE_KV_TRACE=1 log"),
+    "reqtrace": ("pdserve.engine.req_trace", "per-hop medians of a PDSERVE_REQ_TRACE=1 log"),
     "bench": ("pdserve.bench.serve", "serving load generator (TTFT, ITL, goodput)"),
 }
 

@@ -85,6 +85,10 @@ class Envs:
     kv_trace: bool = _switch(
         "PDSERVE_KV_TRACE", False, _flag,
         "`kvtrace <stage> <room> <time>` lines on stderr per KV transfer (`pdserve kvtrace LOG`)")
+    req_trace: bool = _switch(
+        "PDSERVE_REQ_TRACE", False, _flag,
+        "`reqtrace <stage> <request id> <time>` lines on stderr at each hop of a request "
+        "(`pdserve reqtrace LOG`)")
     step_trace: str | None = _switch(
         "PDSERVE_STEP_TRACE", None, _text,
         "a folder: every scheduler (offline engine, each worker) writes one JSON line per "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from pdserve.engine import req_trace
 from pdserve.engine.req import Req
 from pdserve.engine.schedule_batch import ScheduleBatch
 from pdserve.engine.scheduler import Scheduler
@@ -114,6 +115,7 @@ class PrefillScheduler(Scheduler):
                     self._fail(req, sender.failure_reason or "page count mismatch", False)
                     continue
                 req.t_ready = time.perf_counter()
+                req_trace.stamp("bootstrapped", req.rid)
                 self.waiting.append(req)
             else:
                 still.append(req)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from pdserve.engine import req_trace
 from pdserve.engine.stop import TextStream
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.router.events import (
@@ -91,6 +92,9 @@ class Attempt:
         event, the prefill answer and the liveness watchdog are callbacks that interrupt that
         read (by cancelling the decode call) when they end the attempt."""
         legs = [w for w in (self.prefill, self.decode) if w is not None]
+        if req_trace.enabled():
+            req_trace.stamp("arrival", self.req.request_id, self.req.arrival)
+            req_trace.stamp("dispatch", self.req.request_id)
         timeout = max(0.001, self.flow.config.request_timeout_s
                       - (time.monotonic() - self.req.arrival))
         loop = asyncio.get_running_loop()
@@ -267,6 +271,7 @@ class Attempt:
             metrics = self.flow.metrics
             if not self.sent_tokens:
                 self._ttft_ms = (now - self.req.arrival) * 1000.0
+                req_trace.stamp("first", self.req.request_id, now)
                 if metrics is not None:
                     metrics.on_first_token(now - self.req.arrival)
             elif metrics is not None:

@@ -20,6 +20,7 @@ import logging
 
 import grpc
 
+from pdserve.engine import req_trace
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.proto.rpc import split_batch
@@ -227,6 +228,10 @@ class WorkerSession:
                 if msg is grpc.aio.EOF:
                     self._lost(grpc.StatusCode.UNAVAILABLE, "the worker ended the session")
                     return
+                if req_trace.enabled():
+                    for event in msg.events:
+                        if event.HasField("decode"):
+                            req_trace.stamp("received", event.decode.request_id)
                 for event in msg.events:
                     call = self._calls.get(event.call_id)
                     if call is not None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from pdserve.engine import req_trace
 from pdserve.engine.req import Req
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
@@ -77,6 +78,7 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
         `room_error`: the message when the request needs a room and has none (None: no room
         needed). Aborts the call with INVALID_ARGUMENT / ALREADY_EXISTS / UNAVAILABLE.
         """
+        req_trace.stamp("accept", request.request_id)
         await self.check_serving(context)
         try:
             valid = validate_request(request, self.model_config.vocab_size,
@@ -115,6 +117,7 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
         sched = self.thread.scheduler
 
         def add() -> None:
+            req_trace.stamp("queued", req.rid)
             try:
                 sched.add(req)
             except (ValueError, RuntimeError, OSError) as e:

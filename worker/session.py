@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.engine import req_trace
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto.rpc import split_batch
 
@@ -137,6 +138,10 @@ async def serve_session(servicer, requests: AsyncIterator[pb.SessionCalls]
     reader = asyncio.ensure_future(read())
     try:
         while (batch := await out.take()) is not None:
+            if req_trace.enabled():
+                for event in batch:
+                    if event.HasField("decode"):
+                        req_trace.stamp("sent", event.decode.request_id)
             yield pb.SessionEvents(events=batch)
     finally:
         reader.cancel()

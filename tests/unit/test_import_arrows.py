@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "pdserve": set(FOLDERS),
 }
 # Importable from anywhere; they import no other pdserve module.
-LEAVES = {"pdserve.envs", "pdserve.pauses"}
+LEAVES = {"pdserve.envs", "pdserve.pauses", "pdserve.trace_log"}
 
 
 def _folder_of(module: str) -> str | None:
