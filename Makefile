@@ -22,18 +22,20 @@ $(STAMP): pyproject.toml
 serve: install
 	$(BIN)/pdserve up
 
+# PYTHONSAFEPATH (here and in every process the tests start): `-m` would put the checkout first
+# on sys.path, and its kernels/ would shadow the `kernels` package transformers >= 5.25 imports.
 test: install
-	$(BIN)/python -m pytest -q -m "not gpu" --durations=15 $(PYTEST_ARGS)
+	PYTHONSAFEPATH=1 $(BIN)/python -m pytest -q -m "not gpu" --durations=15 $(PYTEST_ARGS)
 
 # The fast loop: unit tests only (about a minute on two cores).
 test-unit: install
-	$(BIN)/python -m pytest -q -m "not gpu" tests/unit $(PYTEST_ARGS)
+	PYTHONSAFEPATH=1 $(BIN)/python -m pytest -q -m "not gpu" tests/unit $(PYTEST_ARGS)
 
 # Minutes of hundreds of concurrent streaming clients against the default `pdserve up` (SmolLM2
 # on CPU), and a router restarted after a 60 s outage; prints `soak-result {...}` and
 # `outage-result {...}` lines. Knobs: PDSERVE_SOAK_SECONDS (180), PDSERVE_SOAK_CLIENTS (256).
 soak: install
-	PDSERVE_SOAK=1 $(BIN)/python -m pytest -q -s -m slow tests/integration/test_faults_soak.py \
+	PDSERVE_SOAK=1 PYTHONSAFEPATH=1 $(BIN)/python -m pytest -q -s -m slow tests/integration/test_faults_soak.py \
 	  $(PYTEST_ARGS)
 
 lint: install

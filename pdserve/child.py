@@ -54,8 +54,12 @@ class Child:
               lifeline: Lifeline) -> Child:
         # Its own session: a terminal's Ctrl-C reaches the launcher only, which stops the
         # children in order (workers drain first).
+        # PYTHONSAFEPATH: `-m` would put the working directory first on sys.path, and from a
+        # checkout of this repository its top-level kernels/ would shadow the `kernels`
+        # package that transformers imports (a dependency of transformers >= 5.25).
         popen = subprocess.Popen([sys.executable, "-m", "pdserve", *argv],
-                                 stdout=subprocess.PIPE, text=True, env=lifeline.env(env),
+                                 stdout=subprocess.PIPE, text=True,
+                                 env={**lifeline.env(env), "PYTHONSAFEPATH": "1"},
                                  start_new_session=True, pass_fds=(lifeline.read_fd,))
         child = cls(name, prefix, popen)
         threading.Thread(target=child._read, name=f"{name}-output", daemon=True).start()
