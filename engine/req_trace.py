@@ -39,18 +39,16 @@ def stamp(stage: str, request_id: str, at: float | None = None) -> None:
 def summarize(lines: list[str]) -> dict[str, float]:
     """Median milliseconds from `arrival` to each stage's first stamp, over the requests that
     have an arrival, in stage order."""
-    at: dict[str, dict[str, float]] = {}
-    for line in lines:
-        parts = line[line.find("reqtrace "):].split() if "reqtrace " in line else []
-        if len(parts) == 4 and parts[1] in STAGES:
-            at.setdefault(parts[2].partition("@")[0], {}).setdefault(parts[1], float(parts[3]))
+    from pdserve.trace_log import first_stamps, median
+
+    at = first_stamps(lines, "reqtrace", key=lambda rid: rid.partition("@")[0], stages=STAGES)
     values: dict[str, list[float]] = {}
     for t in at.values():
         if "arrival" not in t:
             continue
         for stage, when in t.items():
             values.setdefault(stage, []).append((when - t["arrival"]) * 1e3)
-    return {s: round(sorted(values[s])[len(values[s]) // 2], 3) for s in STAGES if s in values}
+    return {s: median(values[s]) for s in STAGES if s in values}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -152,6 +152,7 @@ def split_kv_config(batch_size: int, num_kv_heads: int, num_sms: int) -> tuple[i
     """
     floor = min(8, max(1, num_sms // 16))
     if batch_size <= SMALL_BATCH:
+        # About 4 programs per SM, and at least SMs / 4 splits (32 at batch 8 on an H200).
         fill = _pow2_floor(max(4 * num_sms // max(1, batch_size * num_kv_heads), num_sms // 4))
         return max(floor, min(64, fill)), 32
     fill = _pow2_floor(num_sms // max(1, batch_size * num_kv_heads))

@@ -58,11 +58,9 @@ def gpu_timer(stream: object) -> GpuTimer | None:
 def summarize(lines: list[str]) -> dict[str, float]:
     """Median milliseconds from each stage to the next one a room passed, and of the GPU copy
     times."""
-    at: dict[int, dict[str, float]] = {}
-    for line in lines:
-        parts = line[line.find("kvtrace "):].split() if "kvtrace " in line else []
-        if len(parts) == 4:
-            at.setdefault(int(parts[2]), {}).setdefault(parts[1], float(parts[3]))
+    from pdserve.trace_log import first_stamps, median
+
+    at = first_stamps(lines, "kvtrace", key=int)
     values: dict[str, list[float]] = {}
     for t in at.values():
         seen = [s for s in STAGES if s in t]
@@ -70,7 +68,7 @@ def summarize(lines: list[str]) -> dict[str, float]:
             values.setdefault(f"{a}->{b}", []).append((t[b] - t[a]) * 1e3)
         if "gpu_copy_ms" in t:
             values.setdefault("gpu_copy_ms", []).append(t["gpu_copy_ms"])
-    return {key: round(sorted(v)[len(v) // 2], 3) for key, v in values.items()}
+    return {key: median(v) for key, v in values.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
