@@ -116,6 +116,8 @@ class PagedAllocator:
         if num_reqs == 0:
             return torch.empty(0, dtype=_I64)
         ps = self.page_size
+        if num_reqs == 1 and prefix_lens[0] % ps == 0 and 0 <= prefix_lens[0] <= seq_lens[0]:
+            return self._alloc_one_aligned(int(seq_lens[0]) - int(prefix_lens[0]))
         pre = torch.tensor(list(prefix_lens), dtype=_I64)
         seq = torch.tensor(list(seq_lens), dtype=_I64)
         last = torch.tensor(list(last_locs), dtype=_I64)
@@ -151,6 +153,16 @@ class PagedAllocator:
         page_base = (torch.cumsum(new_pages, 0) - new_pages)[req]
         fresh = pages[(page_base + k).clamp(0, num_new_pages - 1)] * ps + pos % ps
         return torch.where(k < 0, in_old, fresh)
+
+    def _alloc_one_aligned(self, num_tokens: int) -> torch.Tensor | None:
+        """alloc_extend for one request whose prefix ends on a page boundary (a new prompt,
+        the common case): fresh pages only, a few tensor ops instead of the general plan's."""
+        ps = self.page_size
+        need = -(-num_tokens // ps)
+        if need > self.num_free_pages:
+            return None
+        pages = self._take(need)
+        return (pages[:, None] * ps + torch.arange(ps, dtype=_I64)).reshape(-1)[:num_tokens]
 
     def alloc_decode(self, seq_lens: Sequence[int], last_locs: Sequence[int]
                      ) -> torch.Tensor | None:

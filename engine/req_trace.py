@@ -16,12 +16,14 @@ import time
 
 from pdserve.envs import envs
 
-# In the order a request passes them. accept: a worker took the call (prefill and decode both,
-# each stamping its own); queued: the scheduler took it; registered: decode preallocated the
-# prompt's pages; bootstrapped: prefill saw them; extend: its extend batch started; sampled:
-# the prompt's first token was read back (prefill or mixed worker); transferred: decode has
-# the KV and the first token; sent: the worker's session wrote the first token's message;
-# received: the router's session read it; first: the router has the first token.
+# In the order a request passes them (decode's registration and prefill's bootstrap run beside
+# the prefill, which starts before them on an idle prefill worker). accept: a worker took the
+# call (prefill and decode both, each stamping its own); queued: the scheduler took it;
+# registered: decode preallocated the prompt's pages; bootstrapped: prefill saw them; extend:
+# its extend batch started; sampled: the prompt's first token was read back (prefill or mixed
+# worker); transferred: decode has the KV and the first token; sent: the worker's session
+# wrote the first token's message; received: the router's session read it; first: the router
+# has the first token.
 STAGES = ("arrival", "dispatch", "accept", "queued", "registered", "bootstrapped", "extend",
           "sampled", "transferred", "sent", "received", "first")
 

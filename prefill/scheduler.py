@@ -5,6 +5,12 @@ has registered destination pages (WaitingForInput); only then does it take KV me
 sent as chunked prefill completes them; the last chunk (with the trailing partial page) carries
 the aux data. The request's KV stays owned by it (not evictable) until the transfer ends; then
 it goes to the radix cache, so a repeated prefix is not recomputed.
+
+Early start: on an idle worker, or while live requests hold less than EARLY_START_SHARE of the
+pool, a request goes to the waiting queue at once and its prefill runs during the bootstrap
+(which is then off its time to first token). Its pages are sent once decode has registered;
+a prefill that finished first waits in `held`, its KV kept, until then. A bootstrap that fails
+aborts it wherever it is, and its KV is released as for any other failure.
 """
 
 from __future__ import annotations
@@ -33,46 +39,87 @@ class PrefillReq(Req):
     error: str = ""  # why it failed, when it did
     t_bootstrap: float = 0.0
     t_ready: float = 0.0  # decode registered its pages
+    early: bool = False  # started before decode registered (see the module doc)
+    aux: AuxData | None = None  # a held request's first token, until its pages go
+
+
+# Live requests' share of the pool below which a new request starts before its bootstrap.
+EARLY_START_SHARE = 0.5
 
 
 class PrefillScheduler(Scheduler):
-    def __init__(self, *args, kv_manager, **kwargs) -> None:
+    def __init__(self, *args, kv_manager, early_start: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.kv = kv_manager
+        self.early_start = early_start
         self.bootstrap: list[PrefillReq] = []
+        self.early: list[PrefillReq] = []  # started early, decode not registered yet
+        self.held: list[PrefillReq] = []  # ... and prefilled: KV kept until decode registers
         self.inflight: list[PrefillReq] = []
 
     # ---- lifecycle hooks ---------------------------------------------------------------------
 
     def add(self, req: PrefillReq) -> None:
-        """Queue a request in the bootstrap queue: it waits there for decode's pages first."""
+        """Queue a request in the bootstrap queue (it waits there for decode's pages first), or
+        straight in the waiting queue when it may start early."""
         req.sender = self.kv.create_sender(req.room)
         req.t_bootstrap = time.perf_counter()
-        self.bootstrap.append(req)
+        if self._may_start_early(req):
+            req.early = True
+            self.early.append(req)
+            super().add(req)
+        else:
+            self.bootstrap.append(req)
+
+    def _may_start_early(self, req: PrefillReq) -> bool:
+        if not self.early_start:
+            return False
+        st = self.memory.stats()
+        need = -(-len(req.input_ids) // self.memory.page_size)
+        held = sum(-(-len(r.input_ids) // self.memory.page_size) for r in self.early)
+        if st.kv_pages_in_use == 0 and not self.early:
+            return True  # an idle worker: nothing else could wait behind this request's KV
+        return st.kv_pages_in_use + held + need <= EARLY_START_SHARE * st.kv_pages_total
 
     @property
     def has_work(self) -> bool:
-        return bool(super().has_work or self.bootstrap or self.inflight)
+        return bool(super().has_work or self.bootstrap or self.held or self.inflight)
 
     def abort(self, rid: str, reason: str = "abort") -> Req | None:
-        for q in (self.bootstrap, self.inflight):
+        for q in (self.bootstrap, self.held, self.inflight):
             for r in q:
                 if r.rid == rid:
                     q.remove(r)
-                    self._fail(r, reason, release=q is self.inflight)
+                    if q is self.held:
+                        self.early.remove(r)
+                        r.sender.abort(reason)
+                    self._fail(r, reason, release=q is not self.bootstrap)
                     return r
         req = super().abort(rid, reason)
         if req is not None:
+            if req in self.early:
+                self.early.remove(req)
             req.sender.abort(reason)
         return req
 
     def on_prefill_done(self, req: PrefillReq) -> None:
         """The first token, its logprob and top alternatives travel to decode in the aux data
-        of the last chunk; the RPC answers with the cached-token count and timings."""
+        of the last chunk; the RPC answers with the cached-token count and timings. A request
+        that started early and whose decode has not registered yet is held until it has."""
         top_ids, top_lps = req.output_top_logprobs[-1] if req.output_top_logprobs else ((), ())
         lp = req.output_logprobs[-1] if req.output_logprobs else 0.0
         aux = AuxData(req.output_ids[-1], float(lp), req.cached_tokens, tuple(top_ids),
                       tuple(top_lps))
+        if not req.t_ready and req in self.early and self._registered(req) == "":
+            self.early.remove(req)  # decode registered during the extend: no step's wait
+        if not req.t_ready:
+            req.aux = aux
+            self.held.append(req)
+            return
+        self._hand_over(req, aux)
+
+    def _hand_over(self, req: PrefillReq, aux: AuxData) -> None:
+        """Send the request's (remaining) pages with the aux data, and answer the RPC."""
         self._send_pages(req, last=True, aux=aux)
         ms = 1000.0
         timings = StageTimes(
@@ -97,29 +144,58 @@ class PrefillScheduler(Scheduler):
     def run_extend(self, batch: ScheduleBatch) -> None:
         super().run_extend(batch)
         for e in batch.entries:  # chunked requests ship their completed pages now
-            if not e.completes and e.req.sender.poll() != KVPoll.Failed:
+            if not e.completes and e.req.t_ready and e.req.sender.poll() != KVPoll.Failed:
                 self._send_pages(e.req, last=False)
 
     def _poll_bootstrap(self) -> None:
         still = []
         for req in self.bootstrap:
-            sender = req.sender
-            status = sender.poll()
-            if status == KVPoll.Failed:
-                self._fail(req, sender.failure_reason or "bootstrap failed", release=False)
-            elif status >= KVPoll.WaitingForInput:
-                need = -(-len(req.input_ids) // self.memory.page_size)
-                if sender.num_dst_pages != need:
-                    sender.abort(f"dst_pages: decode registered {sender.num_dst_pages} pages, "
-                                 f"the prompt needs {need}")
-                    self._fail(req, sender.failure_reason or "page count mismatch", False)
-                    continue
-                req.t_ready = time.perf_counter()
-                req_trace.stamp("bootstrapped", req.rid)
-                self.waiting.append(req)
-            else:
+            why = self._registered(req)
+            if why is None:
                 still.append(req)
+            elif why:
+                self._fail(req, why, release=False)
+            else:
+                self.waiting.append(req)
         self.bootstrap = still
+        for req in [r for r in self.early if self._registered(r) is not None]:
+            self._early_registered(req)
+
+    def _registered(self, req: PrefillReq) -> str | None:
+        """None while decode has not registered; "" once it has (t_ready set); else why the
+        bootstrap failed (the room is Failed)."""
+        sender = req.sender
+        status = sender.poll()
+        if status == KVPoll.Failed:
+            return sender.failure_reason or "bootstrap failed"
+        if status < KVPoll.WaitingForInput:
+            return None
+        need = -(-len(req.input_ids) // self.memory.page_size)
+        if sender.num_dst_pages != need:
+            sender.abort(f"dst_pages: decode registered {sender.num_dst_pages} pages, "
+                         f"the prompt needs {need}")
+            return sender.failure_reason or "page count mismatch"
+        req.t_ready = time.perf_counter()
+        req_trace.stamp("bootstrapped", req.rid)
+        return ""
+
+    def _early_registered(self, req: PrefillReq) -> None:
+        """An early request's bootstrap ended: send what its prefill completed, or fail it."""
+        self.early.remove(req)
+        if not req.t_ready:  # failed: wherever the request is, it ends with its KV released
+            why = req.sender.failure_reason or "bootstrap failed"
+            if req in self.held:
+                self.held.remove(req)
+                self._fail(req, why, release=True)
+            else:
+                req.error = why
+                Scheduler.abort(self, req.rid, "abort")
+            return
+        if req in self.held:
+            self.held.remove(req)
+            self._hand_over(req, req.aux)
+        elif req.kv_len:  # part-way through a chunked prefill: the pages it has so far
+            self._send_pages(req, last=False)
 
     def _poll_inflight(self) -> None:
         still = []
@@ -161,5 +237,6 @@ class PrefillScheduler(Scheduler):
         st = self.memory.stats()
         return {"num_running": len(self.running) + (1 if self.chunked else 0),
                 "num_waiting": len(self.waiting) + len(self.bootstrap),
-                "num_inflight": len(self.inflight), "max_running": self.config.max_running,
+                "num_inflight": len(self.inflight) + len(self.held),
+                "max_running": self.config.max_running,
                 **st.__dict__}

@@ -169,3 +169,24 @@ def test_random_ops_keep_free_plus_owned_equal_total(
         assert alloc.num_free_pages == len(free)
         per_req = [{s // ps for s in r} for r in reqs]
         assert sum(len(p) for p in per_req) == len(owned_pages)  # no page shared by two
+
+
+@settings(max_examples=60, deadline=None)
+@given(ps=st.sampled_from([1, 4, 16]), pages_pre=st.integers(0, 5), n=st.integers(0, 70),
+       taken=st.integers(0, 6))
+def test_one_aligned_request_takes_the_pages_the_general_plan_takes(ps, pages_pre, n, taken):
+    """A single request whose prefix ends on a page boundary takes a shortcut; it must place
+    the tokens where the general plan (two requests, the second empty) does."""
+    fast, plan = PagedAllocator(24, ps), PagedAllocator(24, ps)
+    for alloc in (fast, plan):  # the same free list in both
+        alloc.alloc_pages(taken)
+    pre = pages_pre * ps
+    got = fast.alloc_extend([pre], [pre + n], [-1])
+    want = plan.alloc_extend([pre, 0], [pre + n, 0], [-1, -1])
+    if want is None:
+        assert got is None and fast.num_free_pages == plan.num_free_pages
+        return
+    assert got is not None and got.tolist() == want.tolist() and got.dtype == torch.int64
+    assert fast.num_free_pages == plan.num_free_pages
+    check_extend_layout(ps, pre, pre + n, -1, got.tolist(),
+                        set(range(1, 24)) - set(range(1, taken + 1)))
