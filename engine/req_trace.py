@@ -23,7 +23,7 @@ from pdserve.envs import envs
 # its extend batch started; sampled: the prompt's first token was read back (prefill or mixed
 # worker); transferred: decode has the KV and the first token; sent: the worker's session
 # wrote the first token's message; received: the router's session read it; first: the router
-# has the first token.
+# has the first token (in P/D from the prefill answer, before decode's message).
 STAGES = ("arrival", "dispatch", "accept", "queued", "registered", "bootstrapped", "extend",
           "sampled", "transferred", "sent", "received", "first")
 

@@ -50,6 +50,11 @@ class KVSender:
         return self.state.failure_reason
 
     @property
+    def since(self) -> float:
+        """When the room entered its current status (time.monotonic())."""
+        return self.state.since
+
+    @property
     def num_dst_pages(self) -> int:
         return len(self.dst_pages)
 

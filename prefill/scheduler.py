@@ -25,7 +25,13 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.kvtransfer.aux import AuxData
 from pdserve.kvtransfer.poll import KVPoll
 from pdserve.kvtransfer.sender import KVSender
-from pdserve.worker.events import ErrorEvent, EventSink, PrefilledEvent, StageTimes
+from pdserve.worker.events import (
+    ErrorEvent,
+    EventSink,
+    PrefilledEvent,
+    StageTimes,
+    TokenOutput,
+)
 
 
 @dataclass
@@ -119,14 +125,16 @@ class PrefillScheduler(Scheduler):
         self._hand_over(req, aux)
 
     def _hand_over(self, req: PrefillReq, aux: AuxData) -> None:
-        """Send the request's (remaining) pages with the aux data, and answer the RPC."""
-        self._send_pages(req, last=True, aux=aux)
+        """Answer the RPC (with the first token, which the router streams at once), then send
+        the request's (remaining) pages with the aux data."""
         ms = 1000.0
         timings = StageTimes(
             bootstrap_ms=(req.t_ready - req.t_bootstrap) * ms,
             queue_ms=max(0.0, (time.perf_counter() - req.t_ready - req.prefill_s) * ms),
             prefill_ms=req.prefill_s * ms)
-        req.sink.put(PrefilledEvent(req.cached_tokens, req.finish_reason or "", timings))
+        req.sink.put(PrefilledEvent(req.cached_tokens, req.finish_reason or "", timings,
+                                    TokenOutput.last_of(req, 1)))
+        self._send_pages(req, last=True, aux=aux)
         self.inflight.append(req)
 
     def on_finish(self, req: PrefillReq) -> None:
@@ -175,8 +183,11 @@ class PrefillScheduler(Scheduler):
             sender.abort(f"dst_pages: decode registered {sender.num_dst_pages} pages, "
                          f"the prompt needs {need}")
             return sender.failure_reason or "page count mismatch"
-        req.t_ready = time.perf_counter()
-        req_trace.stamp("bootstrapped", req.rid)
+        # When decode registered (the room entered WaitingForInput), not when this noticed it:
+        # an early request notices only after its extend.
+        since = sender.since if status == KVPoll.WaitingForInput else time.monotonic()
+        req.t_ready = time.perf_counter() - max(0.0, time.monotonic() - since)
+        req_trace.stamp("bootstrapped", req.rid, since)
         return ""
 
     def _early_registered(self, req: PrefillReq) -> None:

@@ -1,7 +1,8 @@
 """The prefill worker's gRPC servicer: Prefill answers once the prompt is in KV.
 
 The first token, its logprob and its top alternatives travel to decode in the aux data of the
-last KV chunk (prefill/scheduler.py); the answer carries the cached-token count and timings.
+last KV chunk (prefill/scheduler.py) and in the answer, sent just before that chunk, with the
+cached-token count and timings: the router streams the token while the KV is on its way.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import grpc
 from pdserve.prefill.scheduler import PrefillReq
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.worker.events import ErrorEvent
-from pdserve.worker.service import WorkerServiceBase, timings_of
+from pdserve.worker.service import WorkerServiceBase, chunk_of, timings_of
 
 
 class PrefillService(WorkerServiceBase):
@@ -36,4 +37,5 @@ class PrefillService(WorkerServiceBase):
         return pb.PrefillResponse(request_id=request.request_id,
                                   cached_tokens=event.cached_tokens,
                                   finish_reason=event.finish_reason,
-                                  timings=timings_of(event.timings))
+                                  timings=timings_of(event.timings),
+                                  first_token=chunk_of(event.first))

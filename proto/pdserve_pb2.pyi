@@ -264,16 +264,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., room: _Optional[int] = ..., decode_addr: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "cached_tokens", "finish_reason", "timings")
+    __slots__ = ("request_id", "cached_tokens", "finish_reason", "timings", "first_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cached_tokens: int
     finish_reason: str
     timings: StageTimings
-    def __init__(self, request_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ...) -> None: ...
+    first_token: TokenChunk
+    def __init__(self, request_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., first_token: _Optional[_Union[TokenChunk, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "input_ids", "sampling", "room", "bootstrap_addr")

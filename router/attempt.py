@@ -2,6 +2,11 @@
 
 Prefill (unary) and Decode (server stream) run concurrently; whichever leg fails first raises
 `LegFailure`, and the cleanup in `stream()` cancels the other leg and sends Abort to both.
+
+The first token streams from whichever leg has it first: prefill answers as soon as it is
+sampled (the KV still on its way), decode's stream starts with the same token (it continues
+from it), and that copy is then skipped. `first_only` says that the caller has seen the first
+token and nothing from decode yet: a failure then may be retried as a continuation.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class Attempt:
     dispatch: float
     sent_tokens: bool = False
     decision: DisaggDecision | None = None
+    first_token_id: int | None = None  # the prefill answer's, once streamed
     _last_token_at: float = 0.0
     _cached_tokens: int = 0
     _prefill_timings: dict | None = None
@@ -82,6 +88,19 @@ class Attempt:
     _last_heard: float = 0.0
     _watchdog: asyncio.TimerHandle | None = None
     _prefill_seen: bool = False
+    _prefill_first: pb.TokenChunk | None = None  # the prefill answer's first token
+    _skip_decode_first: bool = False  # it was streamed: decode's copy is skipped
+    _decode_tokens: bool = False  # decode's stream has had a token
+
+    def resume_from(self, before: Attempt) -> None:
+        """Carry what the caller has seen from the attempt this one continues."""
+        self.sent_tokens = True
+        self._ttft_ms, self._last_token_at = before._ttft_ms, before._last_token_at
+
+    @property
+    def first_only(self) -> bool:
+        """The caller has the first token (from prefill) and nothing from decode."""
+        return self._skip_decode_first and not self._decode_tokens
 
     @property
     def prefill_addr(self) -> str:
@@ -102,6 +121,7 @@ class Attempt:
             w.inflight += 1
         finished_by_worker = False
         prefill_task: asyncio.Task | None = None
+        pending_read: asyncio.Future | None = None  # decode's read while the prefill answers
         unsubscribe = None
         self._last_heard = time.monotonic()
         try:
@@ -113,20 +133,39 @@ class Attempt:
             self._watchdog = loop.call_later(LIVENESS_CHECK_S, self._watch, prefill_task)
             unsubscribe = self.abort_event.subscribe(lambda: self._interrupt_with("abort"))
             while True:
-                msg = await self._read()
-                if prefill_task is not None and prefill_task.done():
-                    self._on_prefill(prefill_task)  # before its callback: it outranks decode
-                if self._interrupt is not None:  # also when it raced a message that arrived
-                    msg = None
-                if msg is None:  # interrupted
-                    if self._interrupt == "abort":
-                        yield self._final(self.text.finish("abort"), [], None, "abort", None)
-                        return
-                    raise self._interrupt  # a LegFailure
-                self._last_heard = time.monotonic()
-                event = self._consume(msg)
-                if msg.finish_reason:
-                    finished_by_worker = True
+                msg = None
+                if pending_read is None and prefill_task is not None and \
+                        not prefill_task.done() and not self.sent_tokens:
+                    pending_read = asyncio.ensure_future(self._read())
+                    await asyncio.wait({pending_read, prefill_task},
+                                       return_when=asyncio.FIRST_COMPLETED)
+                event = None
+                if pending_read is not None and not pending_read.done():
+                    # The prefill answered before decode's first message: its first token
+                    # goes out now, decode's message is read next.
+                    self._on_prefill(prefill_task)
+                    if self._interrupt is None:
+                        event = self._first_of_prefill()
+                if event is None:
+                    if pending_read is not None:
+                        read, pending_read = pending_read, None
+                        msg = await read
+                    else:
+                        msg = await self._read()
+                    if prefill_task is not None and prefill_task.done():
+                        self._on_prefill(prefill_task)  # before its callback: it outranks decode
+                    if self._interrupt is not None:  # also when it raced a message that arrived
+                        msg = None
+                    if msg is None:  # interrupted
+                        if self._interrupt == "abort":
+                            yield self._final(self.text.finish("abort"), [], None, "abort",
+                                              None)
+                            return
+                        raise self._interrupt  # a LegFailure
+                    self._last_heard = time.monotonic()
+                    event = self._consume(msg)
+                    if msg.finish_reason:
+                        finished_by_worker = True
                 if self.text.finished:
                     self._finishing = True
                     for w in legs:
@@ -143,6 +182,8 @@ class Attempt:
                     yield event
         finally:
             self._finishing = True
+            if pending_read is not None and not pending_read.done():
+                pending_read.cancel()
             if self._watchdog is not None:
                 self._watchdog.cancel()
             if unsubscribe is not None:
@@ -181,7 +222,7 @@ class Attempt:
         if msg is grpc.aio.EOF:
             raise LegFailure(self.decode, "decode", grpc.StatusCode.UNAVAILABLE,
                              "stream ended without a finish reason")
-        if msg.finish_reason == "abort" and not self.sent_tokens:
+        if msg.finish_reason == "abort" and (not self.sent_tokens or self.first_only):
             raise LegFailure(self.decode, "decode", grpc.StatusCode.ABORTED,
                              "the worker aborted the request before its first token")
         return msg
@@ -247,12 +288,35 @@ class Attempt:
         resp: pb.PrefillResponse = task.result()
         self._cached_tokens = max(self._cached_tokens, resp.cached_tokens)
         self._prefill_timings = timings_to_dict(resp.timings)
+        if not resp.finish_reason and len(resp.first_token.token_ids) == 1:
+            self._prefill_first = resp.first_token  # one that finishes comes with decode's end
+
+    def _first_of_prefill(self) -> FlowEvent | None:
+        """The prefill answer's first token as an event, once, when decode has sent none."""
+        chunk, self._prefill_first = self._prefill_first, None
+        if chunk is None or self.sent_tokens or self.text.finished:
+            return None
+        self._skip_decode_first = True
+        self.first_token_id = chunk.token_ids[0]
+        return self._tokens(list(chunk.token_ids), chunk, "")
 
     def _consume(self, msg: pb.DecodeResponse) -> FlowEvent:
         """A decode message's tokens (one or more: a stream that fell behind catches up in
-        fewer messages) through the text stream, as one event."""
+        fewer messages) through the text stream, as one event; the first token skipped when
+        the prefill answer already streamed it."""
         chunk = msg.chunk
         ids = list(chunk.token_ids)
+        skip = 0
+        if ids and not self._decode_tokens:
+            self._decode_tokens = True
+            skip = int(self._skip_decode_first)
+        if msg.HasField("usage"):
+            self._cached_tokens = max(self._cached_tokens, msg.usage.cached_tokens)
+        return self._tokens(ids[skip:], chunk, msg.finish_reason, skip)
+
+    def _tokens(self, ids: list[int], chunk: pb.TokenChunk, finish_reason: str, skip: int = 0
+                ) -> FlowEvent:
+        """`ids` (chunk's tokens from index `skip`) through the text stream, as one event."""
         text = ""
         used: list[int] = []
         if ids and not self.text.finished:
@@ -261,11 +325,9 @@ class Attempt:
             used = ids[:self.text.num_output_tokens - before]
         lps: list[TokenLogprob] | None = None
         if self.req.sampling.logprobs is not None:
-            lps = self._logprobs(chunk, used)
-        if msg.finish_reason and not self.text.finished:
-            text += self.text.finish(msg.finish_reason)
-        if msg.HasField("usage"):
-            self._cached_tokens = max(self._cached_tokens, msg.usage.cached_tokens)
+            lps = self._logprobs(chunk, used, skip)
+        if finish_reason and not self.text.finished:
+            text += self.text.finish(finish_reason)
         if used:
             now = time.monotonic()
             metrics = self.flow.metrics
@@ -281,15 +343,16 @@ class Attempt:
                          logprobs=lps, prefill_worker=self.prefill_addr,
                          decode_worker=self.decode.address)
 
-    def _logprobs(self, chunk: pb.TokenChunk, used: list[int]) -> list[TokenLogprob]:
+    def _logprobs(self, chunk: pb.TokenChunk, used: list[int], skip: int = 0
+                  ) -> list[TokenLogprob]:
         decode = self.flow.decode_token
         out = []
-        for i, tid in enumerate(used[:len(chunk.logprobs)]):
+        for i, tid in enumerate(used[:max(0, len(chunk.logprobs) - skip)]):
             top = []
-            if i < len(chunk.top_logprobs):
-                alt = chunk.top_logprobs[i]
+            if skip + i < len(chunk.top_logprobs):
+                alt = chunk.top_logprobs[skip + i]
                 top = [(t, decode(t), lp) for t, lp in zip(alt.token_ids, alt.logprobs)]
-            out.append(TokenLogprob(tid, decode(tid), chunk.logprobs[i], top))
+            out.append(TokenLogprob(tid, decode(tid), chunk.logprobs[skip + i], top))
         return out
 
     def _final(self, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None,
@@ -300,9 +363,9 @@ class Attempt:
         timings = merge_timings(self._prefill_timings or {}, decode_timings, router)
         if self._ttft_ms:
             timings["ttft_ms"] = self._ttft_ms  # what the client saw, not a worker's view
-        usage = Usage(prompt_tokens=len(self.req.input_ids),
-                      completion_tokens=self.text.num_output_tokens,
-                      cached_tokens=min(self._cached_tokens, len(self.req.input_ids)))
+        prompt = len(self.req.input_ids) - self.req.generated
+        usage = Usage(prompt_tokens=prompt, completion_tokens=self.text.num_output_tokens,
+                      cached_tokens=min(self._cached_tokens, prompt))
         if self.flow.metrics is not None:
             self.flow.metrics.on_finish(reason, usage, timings)
         return FlowEvent(request_id=self.req.request_id, text=text, token_ids=token_ids,

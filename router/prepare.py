@@ -23,6 +23,7 @@ class PreparedRequest:
     input_ids: list[int]
     sampling: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
+    generated: int = 0  # output tokens at the end of input_ids (a continuation's)
 
 
 def load_tokenizer(path: str, model_vocab_size: int | None = None) -> Any:

@@ -4,7 +4,10 @@ Invariants:
 - Every attempt that did not end with the decode worker reporting a finish sends Abort (room +
   request_id) to both legs: on stop strings, client disconnect, cancellation, a failed leg.
 - A failure before the first token reached the caller is retried (`config.retries` times) with
-  a fresh pair and a fresh room; after that the stream ends with an error event.
+  a fresh pair and a fresh room; after that the stream ends with an error event. So is one
+  after only the prefill answer's first token reached it (router/attempt.py): the retry
+  continues from that token (the prompt plus it, one token fewer to generate, the same text
+  stream), unless penalties count the output (the continuation would not see it as output).
 - A request that finds the queue in front of the workers full is refused before anything is
   sent (429, router/admission.py).
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -38,6 +42,21 @@ from pdserve.router.registry import Registry, WorkerEntry
 from pdserve.router.slo_dispatch import SloDispatcher
 
 log = logging.getLogger(__name__)
+
+
+def continuation(req: PreparedRequest, attempt: Attempt) -> PreparedRequest | None:
+    """The request that resumes `attempt` after its caller got the prefill answer's first token
+    and nothing more; None when it cannot be resumed (more was streamed, or penalties would
+    miss the token as output)."""
+    sp = req.sampling
+    if not attempt.first_only or attempt.first_token_id is None or sp.max_tokens < 2 or (
+            sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty):
+        return None
+    sampling = dataclasses.replace(sp, max_tokens=sp.max_tokens - 1,
+                                   min_tokens=max(0, sp.min_tokens - 1))
+    return PreparedRequest(request_id=req.request_id,
+                           input_ids=[*req.input_ids, attempt.first_token_id],
+                           sampling=sampling, arrival=req.arrival, generated=req.generated + 1)
 
 
 class RequestFlow:
@@ -113,6 +132,7 @@ class RequestFlow:
         self._active[req.request_id] = abort_event
         exclude: set[str] = set()
         last_failure: LegFailure | None = None
+        before: Attempt | None = None  # the attempt a continuation resumes
         try:
             for attempt_no in range(self.config.retries + 1):
                 try:
@@ -123,7 +143,7 @@ class RequestFlow:
                     raise UpstreamFailed(last_failure.message(), code="worker_failed") from None
                 if self.metrics is not None:
                     self.metrics.on_disagg(decision)
-                attempt = self._make_attempt(req, prefill, decode, abort_event)
+                attempt = self._make_attempt(req, prefill, decode, abort_event, before)
                 attempt.decision = decision
                 stream = attempt.stream()
                 if self.slo is not None:
@@ -143,11 +163,14 @@ class RequestFlow:
                     # A request a worker called invalid is invalid on every worker of the model.
                     last = attempt_no == self.config.retries or \
                         failure.code == grpc.StatusCode.INVALID_ARGUMENT
-                    if attempt.sent_tokens:
+                    resume = None if last else continuation(req, attempt)
+                    if attempt.sent_tokens and resume is None:
                         yield FlowEvent(request_id=req.request_id, error=failure.message(),
                                         prefill_worker=attempt.prefill_addr,
                                         decode_worker=decode.address)
                         return
+                    if resume is not None:
+                        req, before = resume, attempt
                     if last:
                         if failure.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                             raise RequestTimeout(failure.message(), code="timeout") from None
@@ -161,7 +184,8 @@ class RequestFlow:
             self.gate.finished()
 
     def _make_attempt(self, req: PreparedRequest, prefill: WorkerEntry | None,
-                      decode: WorkerEntry, abort_event: AbortSignal) -> Attempt:
+                      decode: WorkerEntry, abort_event: AbortSignal,
+                      before: Attempt | None = None) -> Attempt:
         room = secrets.randbits(63)
         sampling = sampling_to_proto(req.sampling)
         prefill_req = None
@@ -172,6 +196,12 @@ class RequestFlow:
         decode_req = pb.DecodeRequest(
             request_id=req.request_id, input_ids=req.input_ids, sampling=sampling, room=room,
             bootstrap_addr=prefill.bootstrap_addr if prefill is not None else "")
+        if before is not None:  # a continuation: the caller's stream goes on
+            attempt = Attempt(flow=self, req=req, prefill=prefill, decode=decode, room=room,
+                              prefill_req=prefill_req, decode_req=decode_req, text=before.text,
+                              abort_event=abort_event, dispatch=before.dispatch)
+            attempt.resume_from(before)
+            return attempt
         text = TextStream.from_params(self.tokenizer, req.sampling, self.eos_ids, req.input_ids)
         return Attempt(flow=self, req=req, prefill=prefill, decode=decode, room=room,
                        prefill_req=prefill_req, decode_req=decode_req, text=text,

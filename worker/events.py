@@ -82,12 +82,13 @@ class FinishEvent:
 
 @dataclass(frozen=True)
 class PrefilledEvent:
-    """Prefill worker: the prompt is in KV, the first token sampled (it travels to decode in the
-    aux data) and the last KV chunk queued."""
+    """Prefill worker: the prompt is in KV and its first token sampled (it travels to decode in
+    the aux data, and to the router in the answer); the last KV chunk is queued next."""
 
     cached_tokens: int
     finish_reason: str
     timings: StageTimes
+    first: TokenOutput = field(default_factory=TokenOutput)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """A deterministic Worker gRPC double for router tests (no tests here; imported by others).
 
-It emits a fixed token sequence (cycled) up to max_tokens, records every call and every Abort,
+It emits a fixed token sequence (cycled) up to max_tokens (prefill answers with the first one,
+as the real prefill worker does), records every call and every Abort,
 and fails on demand: the next N Prefill/Decode calls, a Decode after K tokens, or its health.
 As a real decode worker, a Decode with a bootstrap room sends no token before its room's
 prefill succeeded (the KV comes from there): a failed prefill is never outrun by decode tokens.
@@ -23,6 +24,9 @@ from pdserve.worker.session import serve_session
 
 PREFILL_WAIT_S = 10.0
 _prefilled: dict[int, asyncio.Event] = {}  # room -> set once its prefill answered
+# request id -> its prompt: a continuation (that prompt plus the tokens streamed so far) goes on
+# in the token sequence where the request was, as a model would.
+_prompts: dict[str, list[int]] = {}
 
 
 def _room(room: int) -> asyncio.Event:
@@ -98,9 +102,31 @@ class FakeWorker(pb_grpc.WorkerServicer):
             self.fail_prefill -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "injected prefill failure")
         _room(request.room).set()
+        # As the real prefill worker: the first token (what decode then streams first) in the
+        # answer, and the finish reason when that token already ends the request.
+        first, finish = self._token(request, 0)
         return pb.PrefillResponse(
             request_id=request.request_id, cached_tokens=self.cached_tokens,
-            timings=pb.StageTimings(queue_ms=1.0, bootstrap_ms=2.0, prefill_ms=3.0))
+            timings=pb.StageTimings(queue_ms=1.0, bootstrap_ms=2.0, prefill_ms=3.0),
+            first_token=first, finish_reason=finish)
+
+    def _token(self, request, i: int) -> tuple[pb.TokenChunk, str]:  # noqa: ANN001
+        """Output token i of `request` as a chunk, and the finish reason it brings ("" none)."""
+        sp = request.sampling
+        max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 16
+        ids = list(request.input_ids)
+        prompt = _prompts.get(request.request_id)
+        if prompt is None or ids[:len(prompt)] != prompt:
+            prompt = _prompts[request.request_id] = ids
+        tid = self.tokens[(len(ids) - len(prompt) + i) % len(self.tokens)]
+        chunk = pb.TokenChunk(token_ids=[tid])
+        if sp.HasField("logprobs"):
+            chunk.logprobs.append(-0.5)
+            if sp.logprobs > 0:
+                alts = [tid] + [t for t in self.tokens if t != tid][: sp.logprobs - 1]
+                chunk.top_logprobs.add(token_ids=alts, logprobs=[-0.5] * len(alts))
+        stop = self.eos_id is not None and tid == self.eos_id and not sp.ignore_eos
+        return chunk, "stop" if stop else "length" if i == max_tokens - 1 else ""
 
     async def Decode(self, request, context):
         self.decode_requests.append(request)
@@ -116,31 +142,22 @@ class FakeWorker(pb_grpc.WorkerServicer):
                 _prefilled.pop(request.room, None)
         sp = request.sampling
         max_tokens = sp.max_tokens if sp.HasField("max_tokens") else 16
-        want_lp = sp.HasField("logprobs")
         try:
             for i in range(max_tokens):
-                if self.fail_decode_after is not None and i == self.fail_decode_after:
-                    await context.abort(grpc.StatusCode.INTERNAL, "injected mid-stream failure")
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-                tid = self.tokens[i % len(self.tokens)]
-                chunk = pb.TokenChunk(token_ids=[tid])
-                if want_lp:
-                    chunk.logprobs.append(-0.5)
-                    if sp.logprobs > 0:
-                        alts = [tid] + [t for t in self.tokens if t != tid][: sp.logprobs - 1]
-                        chunk.top_logprobs.add(token_ids=alts, logprobs=[-0.5] * len(alts))
-                last = i == max_tokens - 1
-                stop = self.eos_id is not None and tid == self.eos_id and not sp.ignore_eos
+                if self.fail_decode_after is not None and i == self.fail_decode_after:
+                    await context.abort(grpc.StatusCode.INTERNAL, "injected mid-stream failure")
+                chunk, finish = self._token(request, i)
                 msg = pb.DecodeResponse(request_id=request.request_id, chunk=chunk)
-                if last or stop:
-                    msg.finish_reason = "stop" if stop else "length"
+                if finish:
+                    msg.finish_reason = finish
                     msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(request.input_ids),
                                                 completion_tokens=i + 1))
                     msg.timings.CopyFrom(pb.StageTimings(transfer_ms=4.0, decode_ms=5.0,
                                                          ttft_ms=6.0))
                 yield msg
-                if last or stop:
+                if finish:
                     return
         except asyncio.CancelledError:
             self.decode_cancelled += 1

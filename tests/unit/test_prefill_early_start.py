@@ -8,6 +8,7 @@ registered, a page count other than decode's, a chunk past the end or a last chu
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -27,13 +28,14 @@ class Sender:
         self.num_dst_pages = 0
         self.sent: list[tuple[list[int], int, bool, object]] = []
         self.next_page = 0
+        self.since = time.monotonic()  # when the status was entered (KVSender.since)
 
     def poll(self) -> KVPoll:
         return self.status
 
     def register(self, pages: int) -> None:  # decode's registration reached prefill
         self.num_dst_pages = pages
-        self.status = KVPoll.WaitingForInput
+        self.status, self.since = KVPoll.WaitingForInput, time.monotonic()
 
     def send(self, pages, start: int, last: bool, aux=None) -> None:  # noqa: ANN001
         if self.status in (KVPoll.Failed, KVPoll.Success):
@@ -109,11 +111,15 @@ def test_an_idle_worker_prefills_before_decode_registers_and_sends_after(llm) ->
     assert req.output_ids and req in sched.held and not sender.sent  # prefilled, held
     assert not any(isinstance(e, PrefilledEvent) for e in req.sink.events)
     assert llm.memory.stats().kv_pages_in_use == _pages(req, ps)  # its KV kept meanwhile
+    registered_at = time.perf_counter()
     sender.register(_pages(req, ps))
+    time.sleep(0.3)  # the scheduler notices the registration later
     _run(sched, 1)
     assert [s[2] for s in sender.sent] == [True] and sender.sent[0][3].first_token_id == \
         req.output_ids[-1]
-    assert isinstance(req.sink.events[-1], PrefilledEvent)
+    answer = req.sink.events[-1]
+    assert isinstance(answer, PrefilledEvent) and answer.first.token_ids == [req.output_ids[-1]]
+    assert abs(req.t_ready - registered_at) < 0.1  # the bootstrap time ends at registration
     sender.status = KVPoll.Success
     _run(sched, 2)
     assert not sched.has_work and llm.memory.stats().kv_pages_in_use == 0
