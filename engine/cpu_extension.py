@@ -83,6 +83,7 @@ def build_or_load(name: str, source: str, functions: list[str]) -> ModuleType:
         built = os.path.join(tmp, mod_name + ".so")
         os.chmod(built, 0o755)
         os.replace(built, path)  # the loaded mapping survives the rename
+        module.__file__ = path  # where the library is now (its build directory goes next)
         return module
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

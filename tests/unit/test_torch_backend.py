@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -144,9 +146,20 @@ def test_random_batches(seqs: list[tuple[int, int]], heads: tuple[int, int], see
 
 
 def test_kernel_build_is_cached_without_locks(cpu_kernel: bool) -> None:
-    """A second load imports the cached library itself (not a build directory's copy), and the
-    cache holds no lock file that a killed process could leave behind."""
-    again = build_or_load("pdserve_cpu_decode", cpu_decode._SOURCE, ["paged_decode"])
-    root = os.path.dirname(again.__file__)
-    assert os.path.basename(root) == "cpu_ext" and again.__file__.endswith(".so")
+    """Another process loads the cached library itself without building (not a build
+    directory's copy, which is gone), and the cache holds no lock file that a killed process
+    could leave behind."""
+    here = build_or_load("pdserve_cpu_decode", cpu_decode._SOURCE, ["paged_decode"])
+    root = os.path.dirname(here.__file__)
+    assert os.path.basename(root) == "cpu_ext" and os.path.isfile(here.__file__)
+    code = ("import sys; from unittest import mock; from pdserve.engine.attention import "
+            "cpu_decode; from pdserve.engine.cpu_extension import build_or_load\n"
+            "with mock.patch('torch.utils.cpp_extension.load_inline', side_effect=AssertionError"
+            "('built again')):\n"
+            "    m = build_or_load('pdserve_cpu_decode', cpu_decode._SOURCE, ['paged_decode'])\n"
+            "print(m.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == here.__file__, out.stderr[-2000:]
     assert "lock" not in os.listdir(root)
+    assert not [f for f in os.listdir(root) if not f.endswith(".so")]  # no build directory
