@@ -1,10 +1,12 @@
 """The serving set-ups a goodput comparison runs, and `pdserve up` for one of them.
 
 A set-up is written `KIND[:ARG][+slo][@R1/R2/...]`:
-- `spatial[:SHARE]`: 1 prefill + 1 decode on one GPU, split by SMs (`--spatial`, prefill on
-  SHARE of the SMs, decode on the rest); `spatial:P/D` caps them at P and D (they may overlap,
-  e.g. `spatial:0.6/1.0`: prefill on at most 60% of the SMs, decode on any);
-- `timesliced`: the same two workers without the split (the GPU time-slices their contexts);
+- `spatial[:SHARE]`: 1 prefill + 1 decode on one GPU as CUDA MPS clients (`--spatial`; no
+  SM cap on either, or prefill on SHARE of the SMs and decode on the rest); `spatial:P/D` caps
+  them at P and D (they may overlap, e.g. `spatial:0.6/1.0`: prefill on at most 60% of the
+  SMs, decode on any);
+- `timesliced`: the same two workers without MPS (`--no-spatial`: the GPU time-slices their
+  contexts);
 - `mixed[:CHUNK]`: one colocated worker, chunked prefill of CHUNK tokens (default 2048);
 - `+slo`: the router's SLO dispatch on (`--slo-ttft-ms`, `--slo-itl-ms` from the SLOs);
 - `@R1/R2/...`: the request rates to sweep (default: per kind, below).
@@ -69,6 +71,8 @@ class Setup:
             args += ["--spatial", *spatial_flags(self.arg)]
         elif self.kind == "spatial":
             args += ["--spatial"] + (["--prefill-sm-share", self.arg] if self.arg else [])
+        elif self.kind == "timesliced":
+            args += ["--no-spatial"]
         if self.slo_dispatch:
             args += [f"--router-arg=--slo-ttft-ms={slo_ttft_ms:g}",
                      f"--router-arg=--slo-itl-ms={slo_itl_ms:g}"]

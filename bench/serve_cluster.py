@@ -16,10 +16,12 @@ import time
 
 from pdserve.bench.serve_compare import Workload, bench_args, workload_seed
 
-# name: (prefill, decode, mixed workers, extra `pdserve up` flags). pd-spatial: the 1P1D pair
-# on one GPU as MPS clients on their shares of the SMs (pdserve/spatial.py; where MPS is
-# missing `pdserve up` says why and runs them time-sliced, as `pd`).
+# name: (prefill, decode, mixed workers, extra `pdserve up` flags). pd: the 1P1D pair as
+# `pdserve up` runs it (on one GPU: MPS clients with no SM cap, where MPS works;
+# pdserve/spatial.py); pd-timesliced: the pair without MPS; pd-spatial: MPS clients on the
+# shares of --sm-split (where MPS is missing `pdserve up` says why and runs them time-sliced).
 TOPOLOGIES = {"mixed": ("0", "0", "1", ()), "pd": ("1", "1", "0", ()),
+              "pd-timesliced": ("1", "1", "0", ("--no-spatial",)),
               "pd-spatial": ("1", "1", "0", ("--spatial",))}
 _CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 

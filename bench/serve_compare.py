@@ -41,8 +41,10 @@ GPU_WORKLOADS = (Workload("a", 1, 2048, 32, 8), Workload("b", 64, 512, 256, 192)
 QUICK_WORKLOADS = (Workload("a", 1, 128, 8, 2), Workload("b", 4, 32, 16, 8),
                    Workload("c", 8, 32, 16, 16))
 BENCH_WARMUP = 2  # pdserve bench's warm-up requests (they come first from its generator)
-TARGETS = {"mixed": 0.95, "pd": 0.90, "pd-spatial": 0.90}  # served tok/s over offline's
-LABELS = {"mixed": "mixed", "pd": "1P1D", "pd-spatial": "1P1D spatial"}
+# served tok/s over offline's
+TARGETS = {"mixed": 0.95, "pd": 0.90, "pd-timesliced": 0.90, "pd-spatial": 0.90}
+LABELS = {"mixed": "mixed", "pd": "1P1D", "pd-timesliced": "1P1D time-sliced",
+          "pd-spatial": "1P1D spatial"}
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -116,7 +118,7 @@ def prompts(w: Workload, seed: int) -> list[list[int]]:
 
 
 def _topologies(served: dict) -> list[str]:
-    """The columns: mixed and 1P1D always (a dash where not run), 1P1D spatial when run."""
+    """The columns: mixed and 1P1D always (a dash where not run), the others when run."""
     return [t for t in TARGETS if t in ("mixed", "pd") or t in served]
 
 
@@ -161,11 +163,13 @@ def table(report: dict) -> str:
                      f"{check['bench_tok_s']:,.1f}", f"{check['output_tok_s']:,.1f}",
                      f"{check['output_tok_s'] / max(check['bench_tok_s'], 1e-9):.3f}",
                      *[""] * (2 * len(topos) - 2), "tok/s", "~1.0"])
-    spatial = served.get("pd-spatial", {}).get("spatial")
-    if spatial is not None:
+    # The SM split each 1P1D cluster ran with (under its column): `off` where time-sliced.
+    splits = {t: served[t].get("spatial") for t in topos if t != "mixed" and t in served}
+    if any(splits.values()) or "pd-spatial" in splits:
         cells = [""] * (2 * len(topos))
-        cells[2 * topos.index("pd-spatial")] = spatial or "?"  # under its column
-        rows.append(["1P1D spatial", "SM split (prefill/decode %)", "", *cells, "", ""])
+        for t, split in splits.items():
+            cells[2 * topos.index(t)] = split or ("?" if t == "pd-spatial" else "off")
+        rows.append(["1P1D", "SM split (prefill/decode %)", "", *cells, "", ""])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(wd) for c, wd in zip(r, widths)) for r in rows)
 
@@ -178,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "serve-bench-out")
     p.add_argument("--topologies", default="mixed,pd",
                    help="served clusters to run, of " + ", ".join(TARGETS)
-                        + " (pd-spatial: pdserve up --spatial)")
+                        + " (pd: as pdserve up runs it; pd-timesliced: --no-spatial; "
+                          "pd-spatial: --spatial with --sm-split)")
     p.add_argument("--sm-split", default="", metavar="P/D",
                    help="pd-spatial: the prefill and decode workers' shares of the SMs (e.g. "
                         "0.5/1.0: prefill capped at half, decode uncapped; default: pdserve "

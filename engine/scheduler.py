@@ -95,8 +95,14 @@ class Scheduler:
         trace = self.trace
         if trace is not None:
             wall, t0, num_running = time.time(), time.perf_counter(), len(self.running)
+        if req_trace.enabled():
+            for r in self.waiting:
+                req_trace.stamp("step", r.rid)
         batch = self.schedule_extend()
         if batch is not None:
+            if req_trace.enabled():
+                for e in batch.entries:
+                    req_trace.stamp("scheduled", e.req.rid)
             self.run_extend(batch)
             mode = ForwardMode.EXTEND
         elif self.running or (self.overlap is not None and self.overlap.busy):

@@ -91,7 +91,9 @@ class PrefillSide:
             if room in self._senders:
                 raise ValueError(f"room: {room} already has a sender")
             self._senders[room] = sender
-        self.loop.call(lambda: self._adopt(sender))
+            early = room in self._pending  # decode registered before this request came
+        if early:  # else the registration finds the sender itself: no wake-up of the loop
+            self.loop.call(lambda: self._adopt(sender))
         return sender
 
     def submit(self, sender: KVSender, header: ChunkHeader) -> None:

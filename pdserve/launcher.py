@@ -23,8 +23,9 @@ from pdserve.child import Child, Lifeline
 from pdserve.engine.model_shapes import add_model_source_args
 from pdserve.worker.sm_share import check_share, percentage
 
-# Prefill's share of the SMs under --spatial (docs/performance.md, "Spatial P/D").
-DEFAULT_PREFILL_SM_SHARE = 0.5
+# The SM shares under MPS when none is given: no cap on either side (docs/performance.md,
+# "Spatial P/D on one GPU", says what each split measured).
+DEFAULT_SM_SHARE = 1.0
 RESTART_BACKOFF_S = (1.0, 30.0)  # first delay before a router restart, and the cap
 RESTART_RESET_S = 60.0  # a router up this long restarts after the first delay again
 
@@ -50,13 +51,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--router-arg", action="append", default=[], help="extra router flag")
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker flag")
-    p.add_argument("--spatial", action="store_true",
-                   help="CUDA: prefill and decode workers on separate shares of a GPU's SMs "
-                        "(CUDA MPS, started as needed; pdserve/spatial.py)")
-    p.add_argument("--prefill-sm-share", type=float, default=DEFAULT_PREFILL_SM_SHARE,
-                   metavar="F", help="--spatial: share of the SMs for prefill workers")
+    p.add_argument("--spatial", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA: prefill and decode workers that share a GPU run side by side as "
+                        "CUDA MPS clients, each capped at its share of the SMs (MPS started as "
+                        "needed; pdserve/spatial.py). Default: on where they share a GPU and "
+                        "MPS works; --no-spatial: the GPU time-slices them")
+    p.add_argument("--prefill-sm-share", type=float, default=None, metavar="F",
+                   help=f"spatial: share of the SMs for prefill workers (default "
+                        f"{DEFAULT_SM_SHARE:g}: no cap)")
     p.add_argument("--decode-sm-share", type=float, default=None, metavar="F",
-                   help="--spatial: share for decode workers (default: the rest)")
+                   help="spatial: share for decode workers (default: the rest of "
+                        "--prefill-sm-share when that is given, else no cap)")
     return p
 
 
@@ -152,10 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print("pdserve up: error: --tp: must be at least 1", file=sys.stderr)
         return 2
     try:
-        check_share("prefill_sm_share", args.prefill_sm_share)
-        if args.decode_sm_share is None:
-            args.decode_sm_share = max(0.01, round(1.0 - args.prefill_sm_share, 4))
-        check_share("decode_sm_share", args.decode_sm_share)
+        resolve_shares(args)
     except ValueError as e:
         print(f"pdserve up: error: {e}", file=sys.stderr)
         return 2
@@ -190,28 +192,29 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.ready_timeout
     spatial = None
     try:
-        if args.spatial:
-            spatial = _plan_spatial(args, env)
         router = _Router(args, env, lifeline, procs)
-        if args.device == "auto":  # while the router starts
-            args.device = "cuda" if _gpu_count() else "cpu"
-        router.wait_ready(deadline, stop)
+        # While the router starts: the device, each worker's GPUs, and the MPS set-up.
+        gpus = _gpu_count() if args.device.startswith(("cuda", "auto")) else 0
+        if args.device == "auto":
+            args.device = "cuda" if gpus else "cpu"
         roles = ["prefill"] * args.prefill + ["decode"] * args.decode + ["mixed"] * args.mixed
-        gpus = _gpu_count() if args.device.startswith("cuda") else 0
         if gpus and max(tps[r] for r in roles) > gpus:
             raise RuntimeError(f"--tp: {max(tps[r] for r in roles)} ranks per worker, "
                                f"{gpus} GPUs visible")
+        placed = assign_gpus(roles, tps, gpus)
+        shared = shares_a_gpu(roles, placed)
+        tried = args.spatial or (args.spatial is None and shared)
+        if tried:
+            spatial = _plan_spatial(args, env, gpus, shared)
+        router.wait_ready(deadline, stop)
         # CPU workers share the cores: oversubscribed torch threads slow every matmul badly.
         threads = [] if gpus else ["--threads", str(max(1, (os.cpu_count() or 1) // len(roles)))]
-        first_gpu = 0
         workers = []
         for i, role in enumerate(roles):
             wenv = dict(env)
             tp = tps[role]
-            if gpus:  # a worker's ranks take consecutive GPUs (one each: round-robin)
-                wenv["CUDA_VISIBLE_DEVICES"] = ",".join(
-                    str((first_gpu + r) % gpus) for r in range(tp))
-                first_gpu += tp
+            if placed[i]:
+                wenv["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, placed[i]))
             share = spatial.worker_args(role) if spatial is not None else []
             workers.append(Child.spawn(
                 f"{role}-{i}", "worker",
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait_ready(deadline, stop)
         _wait_registered(router.http, len(roles), deadline, stop)
         tail = ""
-        if args.spatial:  # what the SMs are split into, or `off` (the plain path was taken)
+        if tried:  # what the SMs are split into, or `off` (the plain path was taken)
             tail = " spatial=" + ("off" if spatial is None else "/".join(
                 str(percentage(spatial.shares[r])) for r in ("prefill", "decode")))
         print(f"pdserve ready {router.http} grpc={router.grpc} prefill={args.prefill} "
@@ -239,23 +242,57 @@ def main(argv: list[str] | None = None) -> int:
             spatial.close()
 
 
-def _plan_spatial(args: argparse.Namespace, env: dict[str, str]):  # noqa: ANN202
-    """The MPS set-up for --spatial (its client environment added to `env`), or None and a
-    message saying why the workers share the GPU time-sliced instead."""
+def resolve_shares(args: argparse.Namespace) -> None:
+    """Fill in the SM shares left unset: decode takes the rest of a given prefill share, and
+    neither is capped when neither is given."""
+    if args.decode_sm_share is None:
+        args.decode_sm_share = DEFAULT_SM_SHARE if args.prefill_sm_share is None else \
+            max(0.01, round(1.0 - args.prefill_sm_share, 4))
+    if args.prefill_sm_share is None:
+        args.prefill_sm_share = DEFAULT_SM_SHARE
+    check_share("prefill_sm_share", args.prefill_sm_share)
+    check_share("decode_sm_share", args.decode_sm_share)
+
+
+def assign_gpus(roles: list[str], tps: dict[str, int], gpus: int) -> list[tuple[int, ...]]:
+    """Each worker's GPUs: its ranks take consecutive GPUs, round-robin over what is visible
+    (none on the CPU)."""
+    out, first = [], 0
+    for role in roles:
+        n = tps[role] if gpus else 0
+        out.append(tuple((first + r) % gpus for r in range(n)))
+        first += n
+    return out
+
+
+def shares_a_gpu(roles: list[str], placed: list[tuple[int, ...]]) -> bool:
+    """Whether a prefill worker and a decode worker have a GPU in common."""
+    on = {role: {g for r, gs in zip(roles, placed) if r == role for g in gs}
+          for role in ("prefill", "decode")}
+    return bool(on["prefill"] & on["decode"])
+
+
+def _plan_spatial(args: argparse.Namespace, env: dict[str, str], gpus: int,  # noqa: ANN202
+                  shared: bool):
+    """The MPS set-up (its client environment added to `env`), or None and a message saying
+    why prefill and decode workers sharing a GPU are time-sliced on it instead."""
     from pdserve.spatial import plan_spatial
 
-    gpus = _gpu_count() if args.device.startswith(("cuda", "auto")) else 0
-    device = ("cuda" if gpus else "cpu") if args.device == "auto" else args.device
     if args.prefill == 0:
         plan, message = None, "needs prefill and decode workers (there are none to split)"
+    elif not shared and args.device.startswith("cuda"):
+        _log("spatial: no prefill worker shares a GPU with a decode worker: nothing to split")
+        return None
     else:
-        plan, message = plan_spatial(device, gpus, args.prefill_sm_share, args.decode_sm_share)
+        plan, message = plan_spatial(args.device, gpus, args.prefill_sm_share,
+                                     args.decode_sm_share)
     if plan is None:
-        print(f"pdserve up: --spatial: {message}; prefill and decode share the GPU "
-              f"time-sliced (the plain path)", file=sys.stderr, flush=True)
+        print(f"pdserve up: spatial: {message}; prefill and decode share the GPU "
+              f"time-sliced (the plain path)", file=sys.stderr,
+              flush=True)
         return None
     env.update(plan.daemon.env)
-    print(f"pdserve up: --spatial: {message}", file=sys.stderr, flush=True)
+    print(f"pdserve up: spatial: {message}", file=sys.stderr, flush=True)
     return plan
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 import grpc
 
@@ -141,9 +143,13 @@ class WorkerSession:
     def decode(self, request: pb.DecodeRequest, timeout: float | None) -> SessionCall:
         return self._open(pb.SessionCall(decode=request), timeout)
 
-    async def prefill(self, request: pb.PrefillRequest, timeout: float | None
-                      ) -> pb.PrefillResponse:
-        call = self._open(pb.SessionCall(prefill=request), timeout)
+    def prefill(self, request: pb.PrefillRequest, timeout: float | None
+                ) -> Coroutine[Any, Any, pb.PrefillResponse]:
+        """The call goes out now (on the writer's next turn, before any call opened after it);
+        the returned coroutine awaits its answer."""
+        return self._answer(self._open(pb.SessionCall(prefill=request), timeout))
+
+    async def _answer(self, call: SessionCall) -> pb.PrefillResponse:
         try:
             answer = await call.read()
         except asyncio.CancelledError:

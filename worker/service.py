@@ -120,6 +120,7 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
             req_trace.stamp("queued", req.rid)
             try:
                 sched.add(req)
+                req_trace.stamp("added", req.rid)
             except (ValueError, RuntimeError, OSError) as e:
                 sink.put(ErrorEvent(f"rejected: {e}"))
 

@@ -142,6 +142,8 @@ async def serve_session(servicer, requests: AsyncIterator[pb.SessionCalls]
                 for event in batch:
                     if event.HasField("decode"):
                         req_trace.stamp("sent", event.decode.request_id)
+                    elif event.HasField("prefill"):
+                        req_trace.stamp("answered", event.prefill.request_id)
             yield pb.SessionEvents(events=batch)
     finally:
         reader.cancel()

@@ -80,6 +80,29 @@ def test_chunked_pages_arrive_bit_exact(backend: str, decode_local) -> None:  # 
         assert prefill.close() == []
 
 
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_decode_registers_before_the_request_reaches_prefill(backend: str,
+                                                             decode_local) -> None:  # type: ignore
+    """A registration that comes first waits at prefill until the sender exists, then the
+    room runs as usual."""
+    prefill = PeerProcess("prefill", _spec(seed=3), _cfg(backend))
+    try:
+        dmgr, dpool = decode_local(backend)
+        src_pool, _ = make_pool(_spec(seed=3))
+        room = (1 << 62) + 777
+        r = dmgr.create_receiver(room, prefill.bootstrap_addr)
+        r.init([4, 5, 6])
+        time.sleep(0.5)  # the REGISTER is at prefill, which has no sender for the room yet
+        prefill.call("create_sender", room)
+        assert prefill.call("wait", room, int(KVPoll.WaitingForInput), 10)[0] == 2
+        prefill.call("send", room, [9, 10, 11], 0, True, (7, 0.0, 0))
+        assert wait_for(r, KVPoll.Success) == KVPoll.Success, r.failure_reason
+        assert torch.equal(dpool[[4, 5, 6]].view(torch.int16),
+                           src_pool[[9, 10, 11]].view(torch.int16))
+    finally:
+        assert prefill.close() == []
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_abort_from_each_side(backend: str, decode_local) -> None:  # type: ignore
     _skip_missing(backend)

@@ -26,7 +26,7 @@ def test_spatial_plain_path_and_slo_dispatch(tiny_model_dir):
                       up_args=("--spatial", "--prefill-sm-share", "0.3"))
     try:
         log = "".join(c.log)
-        assert "--spatial: needs --device cuda (got cpu); prefill and decode share the GPU " \
+        assert "spatial: needs --device cuda (got cpu); prefill and decode share the GPU " \
             "time-sliced (the plain path)" in log, log[-3000:]
         assert next(x for x in c.log if x.startswith("pdserve ready")).rstrip().endswith(
             "spatial=off")

@@ -26,7 +26,7 @@ def test_setup_specs():
     assert "--worker-arg=--chunked-prefill-size=512" in m.up_args(1000, 12)
     assert "--mixed" in m.up_args(1000, 12) and "--spatial" not in m.up_args(1000, 12)
     t = parse_setup("timesliced")
-    assert t.up_args(1000, 12) == ["--prefill", "1", "--decode", "1"]
+    assert t.up_args(1000, 12) == ["--prefill", "1", "--decode", "1", "--no-spatial"]
     assert "--prefill-sm-share" not in parse_setup("spatial").up_args(1000, 12)
     o = parse_setup("spatial:0.6/1.0@10/12")
     assert (o.kind, o.arg, o.rates, o.dir_name) == ("spatial", "0.6/1.0", (10.0, 12.0),

@@ -66,12 +66,20 @@ def test_table_columns_follow_the_topologies_run() -> None:
                                       "ratio"]
     assert "0.930" in next(x for x in lines if x.startswith("(b)"))
     assert "40/60" in lines[-1]
+    pd = {"spatial": "100/100", "a": {"ttft_p50_ms": 49.0}, "b": {"output_tok_s": 920.0}}
+    sliced = {"spatial": "", "a": {"ttft_p50_ms": 50.0}, "b": {"output_tok_s": 850.0}}
+    lines = table(_report({"mixed": mixed, "pd": pd, "pd-timesliced": sliced})).splitlines()
+    assert lines[0].split()[5:10] == ["1P1D", "ratio", "1P1D", "time-sliced", "ratio"]
+    split = lines[-1].split()
+    assert split[:4] == ["1P1D", "SM", "split", "(prefill/decode"]
+    assert split[-2:] == ["100/100", "off"]
 
 
 def test_unknown_topology_is_refused_before_anything_runs(capsys, tmp_path) -> None:
     with pytest.raises(SystemExit):
         main(["--topologies", "mixed,spatial", "--out", str(tmp_path / "o")])
-    assert "unknown spatial (choose from mixed, pd, pd-spatial)" in capsys.readouterr().err
+    assert "unknown spatial (choose from mixed, pd, pd-timesliced, pd-spatial)" in \
+        capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 

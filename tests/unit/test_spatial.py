@@ -122,11 +122,19 @@ def test_a_running_daemon_is_used_and_left_running(tmp_path, monkeypatch, short_
 
 
 def test_launcher_share_flags(capsys):
-    from pdserve.launcher import DEFAULT_PREFILL_SM_SHARE, _parser, main
+    from pdserve.launcher import DEFAULT_SM_SHARE, _parser, main, resolve_shares
 
-    args = _parser().parse_args(["--spatial"])
-    assert args.spatial and args.prefill_sm_share == DEFAULT_PREFILL_SM_SHARE
-    assert args.decode_sm_share is None  # the rest of the SMs
+    def shares(*argv: str) -> tuple[bool | None, float, float]:
+        args = _parser().parse_args(list(argv))
+        resolve_shares(args)
+        return args.spatial, args.prefill_sm_share, args.decode_sm_share
+
+    assert shares() == (None, DEFAULT_SM_SHARE, DEFAULT_SM_SHARE)  # auto; no caps
+    assert shares("--spatial") == (True, 1.0, 1.0)
+    assert shares("--no-spatial") == (False, 1.0, 1.0)
+    assert shares("--prefill-sm-share", "0.4") == (None, 0.4, 0.6)  # decode: the rest
+    assert shares("--spatial", "--prefill-sm-share", "0.7", "--decode-sm-share", "1") == (
+        True, 0.7, 1.0)
     for bad in (["--prefill-sm-share", "1.5"], ["--prefill-sm-share", "0"],
                 ["--decode-sm-share", "-0.2"]):
         assert main(["--spatial", *bad]) == 2
@@ -145,3 +153,19 @@ def test_a_daemon_that_does_not_start(tmp_path, monkeypatch, short_tmp):
     assert plan is None and why.startswith("the MPS control daemon did not start")
     assert "exited with 1: An instance of this daemon is already running" in why
     assert os.listdir(short_tmp) == []
+
+
+def test_which_workers_share_a_gpu():
+    from pdserve.launcher import assign_gpus, shares_a_gpu
+
+    tp1 = {"prefill": 1, "decode": 1, "mixed": 1}
+    pd = ["prefill", "decode"]
+    assert assign_gpus(pd, tp1, 1) == [(0,), (0,)] and shares_a_gpu(pd, [(0,), (0,)])
+    assert assign_gpus(pd, tp1, 2) == [(0,), (1,)]
+    assert not shares_a_gpu(pd, assign_gpus(pd, tp1, 2))
+    assert assign_gpus(pd, tp1, 0) == [(), ()] and not shares_a_gpu(pd, [(), ()])  # CPU
+    # TP 2 prefill + TP 1 decode on 2 GPUs: the decode worker wraps round onto GPU 0.
+    tps = {"prefill": 2, "decode": 1, "mixed": 1}
+    assert assign_gpus(pd, tps, 2) == [(0, 1), (0,)] and shares_a_gpu(pd, [(0, 1), (0,)])
+    mixed = ["mixed", "mixed"]
+    assert not shares_a_gpu(mixed, assign_gpus(mixed, tp1, 1))  # nothing to split
