@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         tried = args.spatial or (args.spatial is None and shared)
         if tried:
             spatial = _plan_spatial(args, env, gpus, shared)
+        if spatial is not None:
+            spatial.daemon.guard(lifeline.read_fd)  # quits it if this process dies unstopped
         router.wait_ready(deadline, stop)
         # CPU workers share the cores: oversubscribed torch threads slow every matmul badly.
         threads = [] if gpus else ["--threads", str(max(1, (os.cpu_count() or 1) // len(roles)))]

@@ -9,6 +9,9 @@ cluster stops. Before any worker starts, a probe process creates a CUDA context 
 and the daemon must then list an MPS server: a context that silently fell back to a plain
 one would make the shares meaningless.
 
+A daemon started here also quits when the launcher dies without stopping it (SIGKILL): a
+small process started beside it watches the launcher's lifeline (`MpsDaemon.guard`).
+
 Where that cannot work (no CUDA device, no `nvidia-cuda-mps-control` on PATH, a daemon that
 does not start, a driver whose clients do not reach it) `pdserve up` prints why and runs the
 plain path: the workers share the GPU time-sliced.
@@ -36,6 +39,7 @@ PROBE_READY = "mps-probe-ready"
 PROBE = ("import sys, torch; x = torch.ones(1, device='cuda'); torch.cuda.synchronize(); "
          f"print({PROBE_READY!r}, flush=True); sys.stdin.read()")
 READY_TIMEOUT_S = 10.0
+REAP = "--reap"  # `python -m pdserve.spatial --reap ...`: MpsDaemon.guard's process
 PROBE_TIMEOUT_S = 120.0  # a cold torch import plus CUDA initialisation
 
 
@@ -152,6 +156,19 @@ class MpsDaemon:
             return f"the probe's CUDA context did not start an MPS server{self.log_tail()}"
         return None
 
+    def guard(self, lifeline_fd: int) -> subprocess.Popen | None:
+        """Have our daemon quit once the launcher is gone, however it ends (SIGKILL too): a
+        small process reads the launcher's lifeline (pdserve/child.py) to its end, then stops
+        the daemon and removes its directory. Nothing for a daemon that is not ours."""
+        if not self.owned:
+            return None
+        argv = [sys.executable, "-m", "pdserve.spatial", REAP, self.binary, self.pipe_dir,
+                self.log_dir or "", self.tmp_dir or "", str(lifeline_fd)]
+        return subprocess.Popen(argv, pass_fds=(lifeline_fd,), start_new_session=True,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL,
+                                env={**os.environ, "PYTHONSAFEPATH": "1"})
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Quit the daemon if it is ours (its server with it) and remove its directory."""
         if not self.owned:
@@ -220,3 +237,22 @@ def plan_spatial(device: str, gpus: int, prefill_share: float, decode_share: flo
     return SpatialPlan(daemon, shares), (
         f"prefill workers on {percentage(prefill_share)}% and decode workers on "
         f"{percentage(decode_share)}% of the SMs, through {how}")
+
+
+def _reap(argv: Sequence[str]) -> int:
+    """MpsDaemon.guard's process: wait for end-of-file on the launcher's lifeline, then stop
+    the daemon (a no-op where the launcher already did)."""
+    binary, pipe, log_dir, tmp, fd = argv
+    try:
+        while os.read(int(fd), 4096):
+            pass
+    except OSError:
+        pass
+    MpsDaemon(binary, pipe, log_dir or None, owned=True, tmp_dir=tmp or None).stop()
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != [REAP] or len(sys.argv) != 7:
+        sys.exit(f"usage: python -m pdserve.spatial {REAP} BINARY PIPE_DIR LOG_DIR TMP_DIR FD")
+    sys.exit(_reap(sys.argv[2:]))

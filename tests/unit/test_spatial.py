@@ -73,6 +73,36 @@ def test_own_daemon_started_probed_and_stopped(tmp_path, monkeypatch, short_tmp)
     assert daemon.tmp_dir is None and not os.path.exists(os.path.dirname(daemon.pipe_dir))
 
 
+@pytest.mark.timeout(60)
+def test_own_daemon_quits_when_the_launcher_dies(tmp_path, monkeypatch, short_tmp):
+    """The guard quits the daemon once the lifeline's write end is gone (as when the launcher
+    is killed), and removes its directory; a daemon that is not ours gets no guard."""
+    monkeypatch.delenv(PIPE_ENV, raising=False)
+    monkeypatch.setattr("pdserve.worker.sm_share.DRIVER_PIPE_DIR", str(tmp_path / "none"))
+    binary = write_fake_mps(str(tmp_path))
+    daemon = MpsDaemon.start(binary)
+    read_fd, write_fd = os.pipe()
+    try:
+        pid = daemon_pid(daemon.pipe_dir)
+        guard = daemon.guard(read_fd)
+        assert guard is not None and pid is not None
+        time.sleep(0.5)
+        assert guard.poll() is None and daemon_pid(daemon.pipe_dir) == pid  # launcher alive
+        os.close(write_fd)
+        write_fd = -1
+        assert guard.wait(20) == 0
+        deadline = time.monotonic() + 5
+        while alive(pid) and time.monotonic() < deadline:  # it exits just after its pid file
+            time.sleep(0.05)
+        assert not alive(pid) and not os.path.exists(daemon.tmp_dir)
+        assert MpsDaemon(binary, daemon.pipe_dir, None, owned=False).guard(read_fd) is None
+    finally:
+        os.close(read_fd)
+        if write_fd >= 0:
+            os.close(write_fd)
+        daemon.stop()
+
+
 @pytest.fixture
 def short_tmp(monkeypatch):
     """A short temporary root (MPS pipe paths must stay short) that the test can list."""
