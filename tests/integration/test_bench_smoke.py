@@ -24,6 +24,13 @@ def _bench(cluster, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
 
+def test_cpu_cluster_has_no_gpu_to_split(tiny_cluster):
+    """On the CPU, `pdserve up` (spatial by default where workers share a GPU) says nothing of
+    MPS: no message, no split on its ready line."""
+    ready = next(x for x in tiny_cluster.log if x.startswith("pdserve ready"))
+    assert "spatial" not in ready and not any("spatial:" in x for x in tiny_cluster.log)
+
+
 @pytest.mark.timeout(180)
 def test_bench_smoke(tiny_cluster, tmp_path):
     out = tmp_path / "bench"
