@@ -188,8 +188,11 @@ def build_engine_parts(config: EngineConfig, pool_buffer: torch.Tensor | None = 
             share.close()
         raise
     mc, cache = runner.model_config, config.cache
+    # A request never holds more KV than the whole pool: a longer context could never be
+    # admitted (or, decoding alone, would retract itself for ever), so it is refused up front.
+    pool_tokens = (runner.pool.num_pages - 1) * runner.pool.page_size  # page 0 is reserved
     max_ctx = min(cache.max_context_len or mc.max_position_embeddings,
-                  mc.max_position_embeddings)
+                  mc.max_position_embeddings, pool_tokens)
     memory = KVMemory(runner.pool, cache.max_reqs, max_ctx, config.disable_radix_cache)
     return EngineParts(config, runner, memory, tokenizer, time.perf_counter() - t0, ranks, pools)
 

@@ -93,3 +93,17 @@ def test_errors_leave_no_pages_held(tiny_model_dir):
     st = llm.memory.stats()
     assert st.kv_pages_in_use == 0 and llm.memory.req_to_token.num_used == 0, st
     assert len(llm.generate([ok], SamplingParams(max_tokens=4))[0].token_ids) == 4
+
+
+@pytest.mark.timeout(120)
+def test_context_is_bounded_by_the_pool(tiny_model_dir):
+    """A pool smaller than the model's context bounds it: a prompt that could never be admitted
+    is refused at once (it used to wait for pages for ever), and requests that would outgrow
+    the pool end with `length` at its size, one after another if need be."""
+    llm = LLM(model=tiny_model_dir, device="cpu", num_pages=40, page_size=4)
+    assert llm.memory.max_context_len == 39 * 4  # page 0 is reserved
+    with pytest.raises(ValueError, match="context of 156"):
+        llm.generate([[5] * 200], SamplingParams(max_tokens=4))
+    outs = llm.generate([[5] * 140, [7] * 140], SamplingParams(max_tokens=40, ignore_eos=True))
+    assert [(len(o.token_ids), o.finish_reason) for o in outs] == [(16, "length")] * 2
+    assert llm.memory.stats().kv_pages_in_use == 0
