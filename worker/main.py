@@ -70,7 +70,8 @@ def parser(role: str, add_role_args: Callable[[argparse.ArgumentParser], None] |
     p.add_argument("--num-pages", type=int, default=cache.num_pages)
     p.add_argument("--mem-fraction", type=float, default=cache.mem_fraction)
     p.add_argument("--max-running", type=int, default=sched.max_running)
-    p.add_argument("--max-context-len", type=int, default=cache.max_context_len)
+    p.add_argument("--max-context-len", type=int, default=cache.max_context_len,
+                   help="default: the model's, and never more than the KV pool holds")
     p.add_argument("--chunked-prefill-size", type=int, default=sched.chunked_prefill_size)
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--attention-backend", default=eng.attention_backend)
