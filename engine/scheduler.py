@@ -39,6 +39,7 @@ class Scheduler:
         self.overlap = (OverlapDecoder(self)
                         if config.overlap_schedule and runner.device.type == "cuda" else None)
         self.trace = StepTrace.from_env()
+        self._traced_waiting: set[str] = set()  # PDSERVE_REQ_TRACE: stamped `step` already
 
     # ---- hooks --------------------------------------------------------------------------------
 
@@ -64,6 +65,7 @@ class Scheduler:
 
     def abort(self, rid: str, reason: str = "abort") -> Req | None:
         """Remove a request wherever it is; its KV is released. Returns it if found."""
+        self._traced_waiting.discard(rid)
         if self.overlap is not None:
             self.overlap.drain()  # its KV may be in use by the step in flight
         for q in (self.waiting, self.running):
@@ -95,13 +97,16 @@ class Scheduler:
         trace = self.trace
         if trace is not None:
             wall, t0, num_running = time.time(), time.perf_counter(), len(self.running)
-        if req_trace.enabled():
+        if req_trace.enabled():  # once per request: the first iteration that finds it waiting
             for r in self.waiting:
-                req_trace.stamp("step", r.rid)
+                if r.rid not in self._traced_waiting:
+                    self._traced_waiting.add(r.rid)
+                    req_trace.stamp("step", r.rid)
         batch = self.schedule_extend()
         if batch is not None:
             if req_trace.enabled():
                 for e in batch.entries:
+                    self._traced_waiting.discard(e.req.rid)
                     req_trace.stamp("scheduled", e.req.rid)
             self.run_extend(batch)
             mode = ForwardMode.EXTEND
