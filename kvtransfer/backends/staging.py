@@ -108,20 +108,44 @@ def _rows(t: torch.Tensor) -> np.ndarray:
 
 _kernel_ok = True  # False once Triton failed to import or launch: torch's index ops from then on
 
+Copiers = dict  # (source pointer, destination pointer) -> PageCopier, kept by a buffer's owner
+
+
+def _copier(src: torch.Tensor, dst: torch.Tensor, cache: Copiers | None) -> object:
+    """The PageCopier for this pair of buffers: built once per pair where the caller keeps a
+    cache (its checks and views cost more than the launch)."""
+    from pdserve.kernels.page_p2p_copy import PageCopier
+
+    if cache is None:
+        return PageCopier(src, dst)
+    key = (src.data_ptr(), tuple(src.shape), dst.data_ptr(), tuple(dst.shape))
+    c = cache.get(key)
+    if c is None:
+        c = cache[key] = PageCopier(src, dst)
+    return c
+
+
+def copy_index(src_pages: np.ndarray, dst_pages: np.ndarray,
+               device: torch.device) -> torch.Tensor:
+    """The page lists of one copy as a [2, n] int64 tensor on `device` (uploaded without
+    blocking), so that it can be made before the copy is due."""
+    return to_device(torch.from_numpy(np.stack([src_pages, dst_pages])), device)
+
 
 def _kernel_copy(src: torch.Tensor, dst: torch.Tensor, src_pages: np.ndarray,
-                 dst_pages: np.ndarray) -> bool:
+                 dst_pages: np.ndarray, cache: Copiers | None = None,
+                 idx: torch.Tensor | None = None) -> bool:
     """dst[dst_pages[i]] = src[src_pages[i]] in one page-copy launch on the current stream;
-    False where the kernel is not available (the caller uses torch)."""
+    False where the kernel is not available (the caller uses torch). `idx`: the page lists
+    already on the device (copy_index)."""
     global _kernel_ok
     if not _kernel_ok:
         return False
     try:
-        from pdserve.kernels.page_p2p_copy import PageCopier
-
         with torch.cuda.device(src.device):
-            idx = to_device(torch.from_numpy(np.stack([src_pages, dst_pages])), src.device)
-            PageCopier(src, dst)(idx[0], idx[1])
+            if idx is None:
+                idx = copy_index(src_pages, dst_pages, src.device)
+            _copier(src, dst, cache)(idx[0], idx[1])
         return True
     except (ImportError, RuntimeError, ValueError) as e:
         log.warning("ucx staging: page-copy kernel unavailable (%s); torch index copies", e)
@@ -129,14 +153,15 @@ def _kernel_copy(src: torch.Tensor, dst: torch.Tensor, src_pages: np.ndarray,
         return False
 
 
-def gather(pool: torch.Tensor, descs: np.ndarray, out: torch.Tensor) -> torch.Tensor:
+def gather(pool: torch.Tensor, descs: np.ndarray, out: torch.Tensor,
+           cache: Copiers | None = None) -> torch.Tensor:
     """out[:n] = the descriptors' source pages in order; returns that view. On a GPU the
     caller synchronizes before a transport reads it."""
     n = int(descs[:, NUM].sum())
     dst = out[:n]
     if pool.is_cuda:
         src_pages = run_pages(descs, SRC)
-        if not _kernel_copy(pool, out, src_pages, np.arange(n, dtype=np.int64)):
+        if not _kernel_copy(pool, out, src_pages, np.arange(n, dtype=np.int64), cache):
             idx = to_device(torch.from_numpy(src_pages), pool.device)
             torch.index_select(pool, 0, idx, out=dst)
         return dst
@@ -148,13 +173,22 @@ def gather(pool: torch.Tensor, descs: np.ndarray, out: torch.Tensor) -> torch.Te
     return dst
 
 
-def scatter(stage: torch.Tensor, pool: torch.Tensor, descs: np.ndarray) -> None:
+def scatter_index(pool: torch.Tensor, descs: np.ndarray) -> torch.Tensor | None:
+    """What `scatter` of these descriptors uploads, made ahead (None off the GPU)."""
+    if not pool.is_cuda or not _kernel_ok:
+        return None
+    dst_pages = run_pages(descs, DST)
+    return copy_index(np.arange(len(dst_pages), dtype=np.int64), dst_pages, pool.device)
+
+
+def scatter(stage: torch.Tensor, pool: torch.Tensor, descs: np.ndarray,
+            cache: Copiers | None = None, idx: torch.Tensor | None = None) -> None:
     """pool[destination pages] = stage rows in order (asynchronous on a GPU: the pool's later
-    users on the same device stream run after it)."""
+    users on the same device stream run after it). `idx`: from scatter_index."""
     if pool.is_cuda:
         dst_pages = run_pages(descs, DST)
         n = len(dst_pages)
-        if not _kernel_copy(stage, pool, np.arange(n, dtype=np.int64), dst_pages):
+        if not _kernel_copy(stage, pool, np.arange(n, dtype=np.int64), dst_pages, cache, idx):
             idx = to_device(torch.from_numpy(dst_pages), pool.device)
             pool.index_copy_(0, idx, stage[:n])
         return
@@ -177,13 +211,22 @@ def warm_copies(pool: torch.Tensor, stage: torch.Tensor) -> None:
 
 
 class RecvRing:
-    """The receiver's IN_FLIGHT staging buffers (bytes, grown on demand), used in turn. On a
-    GPU an event after each scatter says when its buffer may take the next message."""
+    """The receiver's IN_FLIGHT staging buffers (bytes), used in turn. Made at `nbytes` (whole
+    pages) from the start where given, so that the buffers the handshake's warm-up reached are
+    the ones a request's messages land in (a buffer grown later is a new allocation: on a GPU,
+    a new CUDA IPC mapping on the sender's side, tens of milliseconds inside the first room);
+    grown on demand beyond that. On a GPU an event after each scatter says when its buffer may
+    take the next message."""
 
-    def __init__(self, pool: torch.Tensor) -> None:
+    def __init__(self, pool: torch.Tensor, nbytes: int = 0) -> None:
         self._pool = pool
-        self._bufs: list[torch.Tensor | None] = [None] * IN_FLIGHT
+        self._page = page = pool[0].numel() * pool.element_size()
+        size = -(-nbytes // page) * page if nbytes else 0
+        self._bufs: list[torch.Tensor | None] = [
+            torch.empty(size, dtype=torch.uint8, device=pool.device) if size else None
+            for _ in range(IN_FLIGHT)]
         self._events: list[torch.cuda.Event | None] = [None] * IN_FLIGHT
+        self.copiers: Copiers = {}  # the scatter kernels of the whole buffers into the pool
         self.current = 0
 
     async def next(self, nbytes: int) -> torch.Tensor:
@@ -192,8 +235,9 @@ class RecvRing:
         await event_done(self._events[b])  # its previous scatter
         buf = self._bufs[b]
         if buf is None or buf.numel() < nbytes:
-            buf = self._bufs[b] = torch.empty(max(nbytes, 1), dtype=torch.uint8,
-                                              device=self._pool.device)
+            size = max(1, -(-nbytes // self._page)) * self._page
+            buf = self._bufs[b] = torch.empty(size, dtype=torch.uint8, device=self._pool.device)
+            self.copiers.clear()
         return buf[:nbytes]
 
     def scattered(self, b: int) -> None:
@@ -205,3 +249,9 @@ class RecvRing:
     def pages(self, buf: torch.Tensor) -> torch.Tensor:
         pool = self._pool
         return buf.view(pool.dtype).view(-1, *pool.shape[1:])
+
+    def whole(self, b: int) -> torch.Tensor:
+        """Buffer b whole, as pages: what a scatter from it reads (one copier per buffer)."""
+        buf = self._bufs[b]
+        assert buf is not None
+        return self.pages(buf)

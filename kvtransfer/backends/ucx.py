@@ -4,17 +4,20 @@ ucxx has no one-sided put/get in Python (no memory handle or remote key), and ea
 costs tens of microseconds on the host and about a millisecond of latency between GPU
 processes, so a chunk moves as a few large messages (staging.py `message_bytes`), each
 gathered into one of IN_FLIGHT staging buffers on the sender (or sent straight from the pool
-when its pages are one run). Headers go in order on the endpoint's default tag; each payload
-goes under its own tag (a count both sides keep per endpoint) without waiting for the one
-before, so a chunk's messages are on the wire together. The receiver posts each payload's
-receive as its header comes, into one of IN_FLIGHT staging buffers, and lands the pieces in
-order: checked against the room, scattered into the destination pages. A rejected piece is
-received into staging and dropped: the pool is never written.
+when its pages are one run). A chunk's headers go first, in order on the endpoint's default
+tag, before its payloads are gathered; each payload goes under its own tag (a count both sides
+keep per endpoint) without waiting for the one before, so a chunk's messages are on the wire
+together. The receiver posts each payload's receive as its header comes (while the sender is
+still gathering it), into one of IN_FLIGHT staging buffers, uploads the scatter's page list
+meanwhile, and lands the pieces in order: checked against the room, scattered into the
+destination pages. A rejected piece is received into staging and dropped: the pool is never
+written.
 
 The connection to a peer is made at handshake (`connect`), not on a request's path, and warmed
-with one message from each buffer a transfer uses (the staging buffers and the pool), so that
-UCX's endpoint wire-up, its registration caches and, on GPUs, the CUDA IPC mappings are in
-place before the first room.
+with one message from each buffer a transfer uses (the staging buffers and the pool, into the
+receiver's staging buffers, made at their full size up front), so that UCX's endpoint wire-up,
+its registration caches and, on GPUs, the CUDA IPC mappings are in place before the first
+room.
 Threads: one asyncio loop thread per engine owns every ucxx object and does all of a
 transfer's work (gathers, sends; receives, scatters); write() runs on the caller's transfer
 thread, cuts the chunk into pieces and waits for the coroutine that sends them. Work handed
@@ -41,6 +44,7 @@ from pdserve.kvtransfer.backends.staging import (
     one_run,
     piece_bytes,
     scatter,
+    scatter_index,
     warm_copies,
 )
 from pdserve.kvtransfer.backends.staging import split as split_pieces
@@ -79,9 +83,13 @@ class UcxEngine(TransferEngine):
         # sender: peer -> the tag of its endpoint's next payload (the receiver counts alike)
         self._tags: dict[str, int] = {}
         self._tags_lock = threading.Lock()
+        # sender: peer -> held while a warm-up or a chunk sends (loop thread only): their
+        # headers and tags must not interleave
+        self._sending: dict[str, asyncio.Lock] = {}
         self._recv_eps: list[Any] = []
         self._stages: list[torch.Tensor] = []  # sender: IN_FLIGHT staging buffers
         self._ready: list[Any] = []  # sender, GPU: an event after each buffer's gather
+        self._copiers: dict = {}  # sender: the gather kernels of the pool into each buffer
 
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -105,7 +113,7 @@ class UcxEngine(TransferEngine):
         pool = self.region("kv")
         page_bytes = pool[0].numel() * pool.element_size()
         max_bytes = pool.numel() * pool.element_size()
-        ring = RecvRing(pool)
+        ring = RecvRing(pool, piece_bytes(pool, self._stage_bytes))
         slots = asyncio.Semaphore(IN_FLIGHT)  # a payload's buffer is free once landed
         landing: asyncio.Queue = asyncio.Queue()
         lander = asyncio.ensure_future(self._land(landing, slots, ring, pool, handler, id(ep)))
@@ -136,11 +144,12 @@ class UcxEngine(TransferEngine):
                     raise ValueError(f"chunk of {total} bytes exceeds the pool")
                 await slots.acquire()
                 buf = await ring.next(total)
-                recv = None
+                recv = idx = None
                 if total:
                     recv = asyncio.ensure_future(ep.recv(_buf(buf), tag=seq))
                     seq += 1
-                landing.put_nowait((recv, header, nbytes, ring.pages(buf), ring.current))
+                    idx = scatter_index(pool, header.descs)  # uploaded while it arrives
+                landing.put_nowait((recv, header, nbytes, idx, ring.current))
         except ValueError as e:  # a malformed or oversized message: this peer is cut off
             log.warning("ucx: closing a sender's endpoint: %s", e)
             await ep.close()
@@ -155,16 +164,16 @@ class UcxEngine(TransferEngine):
         """Each received piece in arrival order of its header: checked against its room and
         scattered into the pool (or dropped), then its buffer handed back."""
         while True:
-            recv, header, nbytes, stage, b = await landing.get()
+            recv, header, nbytes, idx, b = await landing.get()
             try:
                 if recv is not None:
                     await recv
                 stamp("received", header.room)
 
-                def _write(views: list[torch.Tensor], stage: torch.Tensor = stage,
-                           header: ChunkHeader = header, b: int = b) -> None:
+                def _write(views: list[torch.Tensor], header: ChunkHeader = header,
+                           idx: torch.Tensor | None = idx, b: int = b) -> None:
                     del views  # the same pages, scattered in one pass
-                    scatter(stage, pool, header.descs)
+                    scatter(ring.whole(b), pool, header.descs, ring.copiers, idx)
                     ring.scattered(b)
                     stamp("copied", header.room)
 
@@ -199,6 +208,7 @@ class UcxEngine(TransferEngine):
         if self._stages[b].shape[0] < pages:  # one descriptor larger than a piece
             self._stages[b] = torch.empty((pages, *pool.shape[1:]), dtype=pool.dtype,
                                           device=pool.device)
+            self._copiers.clear()
         return self._stages[b]
 
     def connect(self, peer: str, peer_info: dict[str, Any]) -> Future:
@@ -210,6 +220,10 @@ class UcxEngine(TransferEngine):
         warm_copies(pool, warm[0])
 
         async def _warm() -> None:
+            async with self._sending.setdefault(peer, asyncio.Lock()):
+                await _warm_locked()
+
+        async def _warm_locked() -> None:
             ep = await self._endpoint(peer, peer_info)
             for t in warm:
                 await ep.send_obj(WARM + (t.numel() * t.element_size()).to_bytes(8, "little"))
@@ -236,8 +250,8 @@ class UcxEngine(TransferEngine):
         whole = len(header.descs) > 0 and one_run(run_pages(header.descs, SRC))
         pieces = split_pieces(header, page_bytes,
                               message_bytes(pool, self._stage_bytes, total, contiguous=whole))
-        done = asyncio.run_coroutine_threadsafe(self._send(peer, peer_info, pool, pieces),
-                                                self._loop)
+        done = asyncio.run_coroutine_threadsafe(
+            self._send_locked(peer, peer_info, pool, pieces), self._loop)
         try:
             try:
                 done.result(self._timeout)
@@ -250,17 +264,22 @@ class UcxEngine(TransferEngine):
             self.drop_peer(peer)  # a send may still read the buffers: start afresh
             raise
 
+    async def _send_locked(self, peer: str, info: dict[str, Any], pool: torch.Tensor,
+                           pieces: list[ChunkHeader]) -> None:
+        async with self._sending.setdefault(peer, asyncio.Lock()):
+            await self._send(peer, info, pool, pieces)
+
     async def _send(self, peer: str, info: dict[str, Any], pool: torch.Tensor,
                     pieces: list[ChunkHeader]) -> None:
-        """Each piece: its payload gathered into staging buffer k % IN_FLIGHT (once that
-        buffer's previous send is done) or taken from the pool when its pages are one run,
-        then sent under its own tag without waiting for the one before, its header after it
-        on the endpoint's default tag (headers go in order; the receiver posts the payload's
-        receive when the header comes). So up to IN_FLIGHT payloads are on the wire at once,
-        and the gather of one runs while the other moves."""
+        """The pieces' headers first, in order on the endpoint's default tag (`_headers`), so
+        that the receiver posts each payload's receive while this side gathers it. Each
+        piece's payload: gathered into staging buffer k % IN_FLIGHT (once that buffer's
+        previous send is done) or taken from the pool when its pages are one run, then sent
+        under its own tag without waiting for the one before. So up to IN_FLIGHT payloads are
+        on the wire at once, and the gather of one runs while the other moves."""
         ep = await self._endpoint(peer, info)
         busy: list[asyncio.Future | None] = [None] * IN_FLIGHT  # the send reading buffer b
-        sends: list[asyncio.Future] = []
+        sends: list[asyncio.Future] = [asyncio.ensure_future(self._headers(ep, pieces))]
         try:
             for k, piece in enumerate(pieces):
                 b = k % IN_FLIGHT
@@ -273,12 +292,18 @@ class UcxEngine(TransferEngine):
                     task = asyncio.ensure_future(ep.send(_buf(payload), tag=self._tag(peer)))
                     busy[b] = task
                     sends.append(task)
-                await ep.send_obj(piece.to_bytes())
             await asyncio.gather(*sends)
         except BaseException:
             for t in sends:
                 t.cancel()
             raise
+
+    @staticmethod
+    async def _headers(ep: Any, pieces: list[ChunkHeader]) -> None:
+        """One coroutine for all of a chunk's headers: each is two messages (its size, then
+        its bytes) on one tag, which must not interleave with another header's."""
+        for piece in pieces:
+            await ep.send_obj(piece.to_bytes())
 
     async def _stage(self, pool: torch.Tensor, piece: ChunkHeader,
                      b: int) -> torch.Tensor | None:
@@ -290,7 +315,7 @@ class UcxEngine(TransferEngine):
         pages = run_pages(piece.descs, SRC)
         if one_run(pages):
             return pool[int(pages[0]):int(pages[0]) + len(pages)]
-        out = gather(pool, piece.descs, self._staging(pool, b, len(pages)))
+        out = gather(pool, piece.descs, self._staging(pool, b, len(pages)), self._copiers)
         if pool.is_cuda:
             self._ready[b].record(torch.cuda.current_stream(pool.device))
             await event_done(self._ready[b])
@@ -327,4 +352,5 @@ class UcxEngine(TransferEngine):
             self._thread.join(timeout=5)
             self._loop.close()
             self._stages = []
+            self._copiers.clear()
             super().close()
