@@ -8,6 +8,7 @@ nothing with the parent but the pipe) and `call(op, *args)` runs one operation t
 from __future__ import annotations
 
 import multiprocessing as mp
+import resource
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -198,9 +199,21 @@ def _op(mgr: KVManager, rooms: dict[int, Any], pools: PoolSet, op: str,
         return kv_checksum(pools, args[0])
     elif op == "registered":
         return mgr.registered_regions()
+    elif op == "cpu":  # this process's CPU time over the next args[0] seconds, in cores
+        return _cpu_cores(args[0])
     else:
         raise ValueError(f"op: unknown {op!r}")
     return None
+
+
+def _cpu_cores(seconds: float) -> float:
+    def used() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    t0, c0 = time.monotonic(), used()
+    time.sleep(seconds)
+    return (used() - c0) / (time.monotonic() - t0)
 
 
 class PeerProcess:

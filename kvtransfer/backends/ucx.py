@@ -18,11 +18,11 @@ with one message from each buffer a transfer uses (the staging buffers and the p
 receiver's staging buffers, made at their full size up front), so that UCX's endpoint wire-up,
 its registration caches and, on GPUs, the CUDA IPC mappings are in place before the first
 room.
-Threads: one asyncio loop thread per engine owns every ucxx object and does all of a
+Threads: the process's one ucx loop thread (ucx_loop.py: ucxx initialised there with Python
+futures, so an idle loop sleeps instead of spinning) owns every ucxx object and does all of a
 transfer's work (gathers, sends; receives, scatters); write() runs on the caller's transfer
-thread, cuts the chunk into pieces and waits for the coroutine that sends them. Work handed
-between threads waits for the GIL while the loop spins on ucxx requests (ucxx polls each
-request's completion with `asyncio.sleep(0)`), so a chunk's pieces never change threads.
+thread, cuts the chunk into pieces and waits for the one coroutine that sends them, so a
+chunk's pieces never change threads.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from pdserve.kvtransfer.backends.staging import (
     warm_copies,
 )
 from pdserve.kvtransfer.backends.staging import split as split_pieces
+from pdserve.kvtransfer.backends.ucx_loop import ucx_loop
 from pdserve.kvtransfer.descriptors import NUM, SRC, run_pages
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
 from pdserve.kvtransfer.trace import stamp
@@ -74,10 +75,7 @@ class UcxEngine(TransferEngine):
         self._host = host
         self._timeout = send_timeout_s
         self._stage_bytes = stage_bytes
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kv-ucx",
-                                        daemon=True)
-        self._thread.start()
+        self._loop = ucx_loop()  # the process's one, shared with its other ucx engines
         self._listener: Any = None
         self._eps: dict[str, Any] = {}  # sender: peer -> endpoint (loop thread only)
         # sender: peer -> the tag of its endpoint's next payload (the receiver counts alike)
@@ -348,9 +346,6 @@ class UcxEngine(TransferEngine):
         try:
             self._run(_close(), 10)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
-            self._loop.close()
             self._stages = []
             self._copiers.clear()
             super().close()

@@ -1,7 +1,7 @@
 """The ucx backend's staged path between two real processes: a chunk cut into several messages
 (scattered pages gathered into alternating staging buffers, runs sent straight from the pool)
-arrives bit-exact, and the connection to decode exists once the handshake is done, before any
-page is sent."""
+arrives bit-exact, the connection to decode exists once the handshake is done, before any
+page is sent, and an idle receiver does not spin."""
 
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ def test_staged_pieces_arrive_bit_exact_on_a_connection_made_at_handshake() -> N
         untouched = sorted(set(range(1, 64)) - set(dst))
         zeros, _ = make_pool(SPEC)
         assert decode.call("checksum", untouched) == page_checksum(zeros, untouched)
+        # Idle, the receiver's loop still awaits the next header: it sleeps on it instead of
+        # polling ucxx (which spun a core and held the GIL from the decode worker's threads).
+        assert decode.call("cpu", 1.0) < 0.3
     finally:
         pmgr.close()
         assert decode.close() == []
