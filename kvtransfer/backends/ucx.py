@@ -4,14 +4,14 @@ ucxx has no one-sided put/get in Python (no memory handle or remote key), and ea
 costs tens of microseconds on the host and about a millisecond of latency between GPU
 processes, so a chunk moves as a few large messages (staging.py `message_bytes`), each
 gathered into one of IN_FLIGHT staging buffers on the sender (or sent straight from the pool
-when its pages are one run). A chunk's headers go first, in order on the endpoint's default
-tag, before its payloads are gathered; each payload goes under its own tag (a count both sides
-keep per endpoint) without waiting for the one before, so a chunk's messages are on the wire
-together. The receiver posts each payload's receive as its header comes (while the sender is
-still gathering it), into one of IN_FLIGHT staging buffers, uploads the scatter's page list
-meanwhile, and lands the pieces in order: checked against the room, scattered into the
-destination pages. A rejected piece is received into staging and dropped: the pool is never
-written.
+when its pages are one run). A chunk's headers go first, as one frame on the endpoint's
+default tag (ucx_frames.py), before its payloads are gathered; each payload goes under its
+own tag (a count both sides keep per endpoint) without waiting for the one before, so a
+chunk's messages are on the wire together. The receiver posts each payload's receive as its
+header comes (while the sender is still gathering it), into one of IN_FLIGHT staging
+buffers, uploads the scatter's page list meanwhile, and lands the pieces in order: checked
+against the room, scattered into the destination pages. A rejected piece is received into
+staging and dropped: the pool is never written.
 
 The connection to a peer is made at handshake (`connect`), not on a request's path, and warmed
 with one message from each buffer a transfer uses (the staging buffers and the pool, into the
@@ -19,7 +19,8 @@ receiver's staging buffers, made at their full size up front), so that UCX's end
 its registration caches and, on GPUs, the CUDA IPC mappings are in place before the first
 room.
 Threads: the process's one ucx loop thread (ucx_loop.py: ucxx initialised there with Python
-futures, so an idle loop sleeps instead of spinning) owns every ucxx object and does all of a
+futures, so an idle loop sleeps instead of spinning, and polling completions itself while a
+transfer is under way) owns every ucxx object and does all of a
 transfer's work (gathers, sends; receives, scatters); write() runs on the caller's transfer
 thread, cuts the chunk into pieces and waits for the one coroutine that sends them, so a
 chunk's pieces never change threads.
@@ -48,13 +49,20 @@ from pdserve.kvtransfer.backends.staging import (
     warm_copies,
 )
 from pdserve.kvtransfer.backends.staging import split as split_pieces
-from pdserve.kvtransfer.backends.ucx_loop import ucx_loop
+from pdserve.kvtransfer.backends.ucx_frames import FRAME_BYTES, announced, body_of, items, pack
+from pdserve.kvtransfer.backends.ucx_loop import hot, ucx_loop
 from pdserve.kvtransfer.descriptors import NUM, SRC, run_pages
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
 from pdserve.kvtransfer.trace import stamp
 
 log = logging.getLogger("pdserve.kvtransfer")
 WARM = b"PDKVWARM"  # then u64 byte count: a warm-up payload follows, received and dropped
+
+
+async def _hot(op: Any) -> Any:
+    """Await a ucxx operation with the loop polling completions meanwhile (ucx_loop.py)."""
+    with hot():
+        return await op
 
 
 def _buf(t: torch.Tensor) -> Any:
@@ -109,45 +117,25 @@ class UcxEngine(TransferEngine):
         IN_FLIGHT at a time) and landed in order by `_land` as it completes."""
         self._recv_eps.append(ep)
         pool = self.region("kv")
-        page_bytes = pool[0].numel() * pool.element_size()
-        max_bytes = pool.numel() * pool.element_size()
         ring = RecvRing(pool, piece_bytes(pool, self._stage_bytes))
         slots = asyncio.Semaphore(IN_FLIGHT)  # a payload's buffer is free once landed
         landing: asyncio.Queue = asyncio.Queue()
         lander = asyncio.ensure_future(self._land(landing, slots, ring, pool, handler, id(ep)))
         seq = 0
+        frame = bytearray(FRAME_BYTES)
         try:
             while True:
-                msg = bytes(await ep.recv_obj())
+                await ep.recv(frame)
+                body = body_of(frame)
+                big = announced(body)
+                if big is not None:
+                    whole = bytearray(big)
+                    await ep.recv(whole)
+                    body = bytes(whole)
                 if lander.done():
                     lander.result()  # raises what stopped it
-                if msg.startswith(WARM):
-                    n = int.from_bytes(msg[len(WARM):], "little")
-                    if n > max_bytes:
-                        raise ValueError(f"warm-up of {n} bytes exceeds the pool")
-                    if n % page_bytes:
-                        raise ValueError(f"warm-up of {n} bytes is not whole pages")
-                    if n:
-                        async with slots:
-                            buf = await ring.next(n)
-                            await ep.recv(_buf(buf), tag=seq)
-                            seq += 1
-                            warm_copies(pool, ring.pages(buf))
-                    continue
-                header = ChunkHeader.from_bytes(msg)
-                stamp("header", header.room)
-                nbytes = [n * page_bytes for n in header.descs[:, NUM].tolist()]
-                total = sum(nbytes)
-                if total > max_bytes:
-                    raise ValueError(f"chunk of {total} bytes exceeds the pool")
-                await slots.acquire()
-                buf = await ring.next(total)
-                recv = idx = None
-                if total:
-                    recv = asyncio.ensure_future(ep.recv(_buf(buf), tag=seq))
-                    seq += 1
-                    idx = scatter_index(pool, header.descs)  # uploaded while it arrives
-                landing.put_nowait((recv, header, nbytes, idx, ring.current))
+                for msg in items(body):
+                    seq = await self._take(ep, msg, seq, ring, slots, landing, pool)
         except ValueError as e:  # a malformed or oversized message: this peer is cut off
             log.warning("ucx: closing a sender's endpoint: %s", e)
             await ep.close()
@@ -155,6 +143,46 @@ class UcxEngine(TransferEngine):
             log.debug("ucx receive endpoint closed: %s", e)
         finally:
             lander.cancel()
+            while not landing.empty():  # posted receives the lander will not take
+                recv = landing.get_nowait()[0]
+                if recv is not None:
+                    recv.cancel()
+
+    async def _take(self, ep: Any, msg: bytes, seq: int, ring: RecvRing,
+                    slots: asyncio.Semaphore, landing: asyncio.Queue, pool: torch.Tensor) -> int:
+        """One item of a frame: a warm-up payload received and dropped, or a piece's header
+        whose payload receive is posted at once (landed by `_land`); the next payload tag."""
+        page_bytes = pool[0].numel() * pool.element_size()
+        max_bytes = pool.numel() * pool.element_size()
+        if msg.startswith(WARM):
+            n = int.from_bytes(msg[len(WARM):], "little")
+            if n > max_bytes:
+                raise ValueError(f"warm-up of {n} bytes exceeds the pool")
+            if n % page_bytes:
+                raise ValueError(f"warm-up of {n} bytes is not whole pages")
+            if n:
+                async with slots:
+                    buf = await ring.next(n)
+                    with hot():
+                        await ep.recv(_buf(buf), tag=seq)
+                    warm_copies(pool, ring.pages(buf))
+                seq += 1
+            return seq
+        header = ChunkHeader.from_bytes(msg)
+        stamp("header", header.room)
+        nbytes = [n * page_bytes for n in header.descs[:, NUM].tolist()]
+        total = sum(nbytes)
+        if total > max_bytes:
+            raise ValueError(f"chunk of {total} bytes exceeds the pool")
+        await slots.acquire()
+        buf = await ring.next(total)
+        recv = idx = None
+        if total:
+            recv = asyncio.ensure_future(_hot(ep.recv(_buf(buf), tag=seq)))
+            seq += 1
+            idx = scatter_index(pool, header.descs)  # uploaded while it arrives
+        landing.put_nowait((recv, header, nbytes, idx, ring.current))
+        return seq
 
     @staticmethod
     async def _land(landing: asyncio.Queue, slots: asyncio.Semaphore, ring: RecvRing,
@@ -223,9 +251,12 @@ class UcxEngine(TransferEngine):
 
         async def _warm_locked() -> None:
             ep = await self._endpoint(peer, peer_info)
-            for t in warm:
-                await ep.send_obj(WARM + (t.numel() * t.element_size()).to_bytes(8, "little"))
-                await ep.send(_buf(t), tag=self._tag(peer))
+            with hot():
+                for msg in pack([WARM + (t.numel() * t.element_size()).to_bytes(8, "little")
+                                 for t in warm]):
+                    await ep.send(msg)
+                for t in warm:
+                    await ep.send(_buf(t), tag=self._tag(peer))
 
         async def _go() -> None:
             try:
@@ -265,12 +296,13 @@ class UcxEngine(TransferEngine):
     async def _send_locked(self, peer: str, info: dict[str, Any], pool: torch.Tensor,
                            pieces: list[ChunkHeader]) -> None:
         async with self._sending.setdefault(peer, asyncio.Lock()):
-            await self._send(peer, info, pool, pieces)
+            with hot():
+                await self._send(peer, info, pool, pieces)
 
     async def _send(self, peer: str, info: dict[str, Any], pool: torch.Tensor,
                     pieces: list[ChunkHeader]) -> None:
-        """The pieces' headers first, in order on the endpoint's default tag (`_headers`), so
-        that the receiver posts each payload's receive while this side gathers it. Each
+        """The pieces' headers first, as one frame on the endpoint's default tag (`_headers`),
+        so that the receiver posts each payload's receive while this side gathers it. Each
         piece's payload: gathered into staging buffer k % IN_FLIGHT (once that buffer's
         previous send is done) or taken from the pool when its pages are one run, then sent
         under its own tag without waiting for the one before. So up to IN_FLIGHT payloads are
@@ -298,10 +330,10 @@ class UcxEngine(TransferEngine):
 
     @staticmethod
     async def _headers(ep: Any, pieces: list[ChunkHeader]) -> None:
-        """One coroutine for all of a chunk's headers: each is two messages (its size, then
-        its bytes) on one tag, which must not interleave with another header's."""
-        for piece in pieces:
-            await ep.send_obj(piece.to_bytes())
+        """A chunk's headers as one frame (two messages where they do not fit one, which
+        must not interleave with another chunk's: the caller holds the peer's lock)."""
+        for msg in pack([piece.to_bytes() for piece in pieces]):
+            await ep.send(msg)
 
     async def _stage(self, pool: torch.Tensor, piece: ChunkHeader,
                      b: int) -> torch.Tensor | None:

@@ -10,6 +10,13 @@ with Python futures, a request's completion is set on the loop by ucxx's notifie
 an idle engine sleeps. The notifier binds to the loop that is running when the context is
 made, so the context is made from inside this loop, and every engine of the process uses it.
 
+A completion that goes through the notifier costs a hand-over between threads (the notifier
+wakes, takes the GIL, schedules a callback on the loop, which wakes from epoll). While a
+transfer is under way the loop saves that: a task sets the futures of finished requests
+itself (`run_request_notifier`, what the notifier schedules) on every loop iteration, from
+`hold()` until HOT_S after the matching `release()`. So an idle engine sleeps and a busy one
+sees a completion within one iteration of its loop, as ucxx's polling mode does.
+
 `UCXPY_ENABLE_PYTHON_FUTURE=0` in the environment keeps ucxx's polling (for comparison).
 A context made before (by another library in the process) is used as it is.
 """
@@ -19,10 +26,18 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+HOT_S = 0.002  # the loop polls completions this long after the last transfer activity
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
+_hot_until = 0.0
+_busy = 0  # transfers under way on the loop
+_poller: asyncio.Task | None = None
 
 
 def ucx_loop() -> asyncio.AbstractEventLoop:
@@ -49,6 +64,42 @@ async def _init() -> None:
     if ctx.notifier_thread is not None:
         # the notifier is not a daemon thread: stop it before the interpreter joins threads
         threading._register_atexit(_stop_notifier)  # type: ignore[attr-defined]
+
+
+def hold() -> None:
+    """A transfer starts: poll completions on the loop until it `release()`s, and HOT_S
+    beyond (call on the loop thread)."""
+    global _busy, _poller
+    from ucxx import core
+
+    ctx: Any = core._ctx
+    _busy += 1
+    if ctx is not None and ctx.notifier_thread is not None and (
+            _poller is None or _poller.done()):
+        _poller = asyncio.ensure_future(_poll(ctx.worker))
+    # (in polling mode every awaited request polls already)
+
+
+def release() -> None:
+    global _busy, _hot_until
+    _busy -= 1
+    _hot_until = time.monotonic() + HOT_S
+
+
+@contextmanager
+def hot() -> Iterator[None]:
+    """`hold()` for the block."""
+    hold()
+    try:
+        yield
+    finally:
+        release()
+
+
+async def _poll(worker: Any) -> None:
+    while _busy > 0 or time.monotonic() < _hot_until:
+        worker.run_request_notifier()
+        await asyncio.sleep(0)
 
 
 def _stop_notifier() -> None:

@@ -51,3 +51,27 @@ def test_staged_pieces_arrive_bit_exact_on_a_connection_made_at_handshake() -> N
         pmgr.close()
         assert decode.close() == []
     assert pmgr.registered_regions() == []
+
+
+def test_a_chunk_whose_headers_exceed_one_frame_arrives_bit_exact() -> None:
+    # 5,000 scattered one-page descriptors: 80 KB of header, more than one control frame.
+    spec = PoolSpec(num_pages=10_240, num_layers=1, page_size=1, num_kv_heads=1, head_dim=8)
+    cfg = TransferConfig(backend="ucx", heartbeat_interval_s=0.2, heartbeat_misses=5)
+    decode = PeerProcess("decode", spec, cfg)
+    pool, _ = make_pool(PoolSpec(**{**spec.__dict__, "seed": 3}))
+    pmgr = KVManager("prefill", pool, cfg, spec.fingerprint())
+    try:
+        src = list(range(2, 10_002, 2))
+        dst = list(range(10_001, 1, -2))
+        s = pmgr.create_sender(4)
+        decode.call("create_receiver", 4, pmgr.bootstrap_addr)
+        decode.call("init", 4, dst)
+        assert wait_for(s, KVPoll.WaitingForInput) == KVPoll.WaitingForInput, s.failure_reason
+        s.send(src, 0, True, AuxData(7, -0.5, 0))
+        assert wait_for(s, KVPoll.Success) == KVPoll.Success, s.failure_reason
+        st, reason = decode.call("wait", 4, int(KVPoll.Success), 10)
+        assert st == KVPoll.Success, reason
+        assert decode.call("checksum", dst) == page_checksum(pool, src)
+    finally:
+        pmgr.close()
+        assert decode.close() == []
