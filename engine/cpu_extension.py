@@ -116,6 +116,11 @@ class BackgroundBuild:
         if not self._done.is_set():
             with self._lock:
                 if self._thread is None:
+                    # The builder's imports (setuptools, packaging) happen here, not on the
+                    # thread: a module imported on two threads at once can be seen half made
+                    # (`cannot import name 'version' from 'packaging'` while the caller's
+                    # thread loaded a model).
+                    from torch.utils import cpp_extension  # noqa: F401
                     self._thread = threading.Thread(target=self._run, daemon=True,
                                                     name=f"build {self._what}")
                     self._thread.start()
