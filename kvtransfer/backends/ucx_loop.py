@@ -13,8 +13,8 @@ made, so the context is made from inside this loop, and every engine of the proc
 A completion that goes through the notifier costs a hand-over between threads (the notifier
 wakes, takes the GIL, schedules a callback on the loop, which wakes from epoll). While a
 transfer is under way the loop saves that: a task sets the futures of finished requests
-itself (`run_request_notifier`, what the notifier schedules) on every loop iteration, from
-`hold()` until HOT_S after the matching `release()`. So an idle engine sleeps and a busy one
+itself (`run_request_notifier`, what the notifier schedules) on every loop iteration, from the
+start of a `hot()` block until HOT_S after its end. So an idle engine sleeps and a busy one
 sees a completion within one iteration of its loop, as ucxx's polling mode does.
 
 `UCXPY_ENABLE_PYTHON_FUTURE=0` in the environment keeps ucxx's polling (for comparison).
@@ -66,10 +66,11 @@ async def _init() -> None:
         threading._register_atexit(_stop_notifier)  # type: ignore[attr-defined]
 
 
-def hold() -> None:
-    """A transfer starts: poll completions on the loop until it `release()`s, and HOT_S
-    beyond (call on the loop thread)."""
-    global _busy, _poller
+@contextmanager
+def hot() -> Iterator[None]:
+    """A transfer's block: the loop polls completions from its start until HOT_S after its
+    end (on the loop thread; in ucxx's polling mode every awaited request polls already)."""
+    global _busy, _hot_until, _poller
     from ucxx import core
 
     ctx: Any = core._ctx
@@ -77,23 +78,11 @@ def hold() -> None:
     if ctx is not None and ctx.notifier_thread is not None and (
             _poller is None or _poller.done()):
         _poller = asyncio.ensure_future(_poll(ctx.worker))
-    # (in polling mode every awaited request polls already)
-
-
-def release() -> None:
-    global _busy, _hot_until
-    _busy -= 1
-    _hot_until = time.monotonic() + HOT_S
-
-
-@contextmanager
-def hot() -> Iterator[None]:
-    """`hold()` for the block."""
-    hold()
     try:
         yield
     finally:
-        release()
+        _busy -= 1
+        _hot_until = time.monotonic() + HOT_S
 
 
 async def _poll(worker: Any) -> None:
