@@ -211,40 +211,32 @@ def warm_copies(pool: torch.Tensor, stage: torch.Tensor) -> None:
 
 
 class RecvRing:
-    """The receiver's IN_FLIGHT staging buffers (bytes), used in turn. Made at `nbytes` (whole
-    pages) from the start where given, so that the buffers the handshake's warm-up reached are
-    the ones a request's messages land in (a buffer grown later is a new allocation: on a GPU,
-    a new CUDA IPC mapping on the sender's side, tens of milliseconds inside the first room);
-    grown on demand beyond that. On a GPU an event after each scatter says when its buffer may
-    take the next message."""
+    """The receiver's IN_FLIGHT staging buffers (bytes) of one size, made up front so that the
+    buffers the handshake's warm-up reached are the ones a request's messages land in (a buffer
+    made later is a new allocation: on a GPU, a new CUDA IPC mapping on the sender's side, tens
+    of milliseconds inside the first room), and so that a receive can be posted into each
+    before its message is announced. Message k lands in buffer k % IN_FLIGHT. On a GPU an
+    event after each scatter says when its buffer may take the next message."""
 
-    def __init__(self, pool: torch.Tensor, nbytes: int = 0) -> None:
+    def __init__(self, pool: torch.Tensor, nbytes: int) -> None:
         self._pool = pool
-        self._page = page = pool[0].numel() * pool.element_size()
-        size = -(-nbytes // page) * page if nbytes else 0
-        self._bufs: list[torch.Tensor | None] = [
-            torch.empty(size, dtype=torch.uint8, device=pool.device) if size else None
-            for _ in range(IN_FLIGHT)]
+        page = pool[0].numel() * pool.element_size()
+        self.nbytes = max(1, -(-nbytes // page)) * page
+        self._bufs = [torch.empty(self.nbytes, dtype=torch.uint8, device=pool.device)
+                      for _ in range(IN_FLIGHT)]
         self._events: list[torch.cuda.Event | None] = [None] * IN_FLIGHT
         self.copiers: Copiers = {}  # the scatter kernels of the whole buffers into the pool
-        self.current = 0
 
-    async def next(self, nbytes: int) -> torch.Tensor:
-        """The next buffer in turn (`current` names it), once its last scatter finished."""
-        b = self.current = (self.current + 1) % IN_FLIGHT
-        await event_done(self._events[b])  # its previous scatter
-        buf = self._bufs[b]
-        if buf is None or buf.numel() < nbytes:
-            size = max(1, -(-nbytes // self._page)) * self._page
-            buf = self._bufs[b] = torch.empty(size, dtype=torch.uint8, device=self._pool.device)
-            self.copiers.clear()
-        return buf[:nbytes]
+    def buf(self, b: int) -> torch.Tensor:
+        return self._bufs[b]
 
-    def scattered(self, b: int) -> None:
-        """Record that buffer b's scatter was issued."""
-        if self._pool.is_cuda:
-            ev = self._events[b] = self._events[b] or torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self._pool.device))
+    def scattered(self, b: int) -> torch.cuda.Event | None:
+        """Record that buffer b's scatter was issued; the event that says when it has run."""
+        if not self._pool.is_cuda:
+            return None
+        ev = self._events[b] = self._events[b] or torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self._pool.device))
+        return ev
 
     def pages(self, buf: torch.Tensor) -> torch.Tensor:
         pool = self._pool
@@ -252,6 +244,4 @@ class RecvRing:
 
     def whole(self, b: int) -> torch.Tensor:
         """Buffer b whole, as pages: what a scatter from it reads (one copier per buffer)."""
-        buf = self._bufs[b]
-        assert buf is not None
-        return self.pages(buf)
+        return self.pages(self._bufs[b])

@@ -4,26 +4,24 @@ ucxx has no one-sided put/get in Python (no memory handle or remote key), and ea
 costs tens of microseconds on the host and about a millisecond of latency between GPU
 processes, so a chunk moves as a few large messages (staging.py `message_bytes`), each
 gathered into one of IN_FLIGHT staging buffers on the sender (or sent straight from the pool
-when its pages are one run). A chunk's headers go first, as one frame on the endpoint's
-default tag (ucx_frames.py), before its payloads are gathered; each payload goes under its
-own tag (a count both sides keep per endpoint) without waiting for the one before, so a
-chunk's messages are on the wire together. The receiver posts each payload's receive as its
-header comes (while the sender is still gathering it), into one of IN_FLIGHT staging
-buffers, uploads the scatter's page list meanwhile, and lands the pieces in order: checked
-against the room, scattered into the destination pages. A rejected piece is received into
-staging and dropped: the pool is never written.
+when its pages are one run), none larger than the receive buffers the receiver announced. A
+chunk's headers go first, as one frame on the endpoint's default tag (ucx_frames.py), before
+its payloads are gathered; each payload goes under its own tag (a count both sides keep per
+endpoint) without waiting for the one before, so a chunk's messages are on the wire together.
+The receiver (ucx_recv.py) has the receives of the next payloads posted before their headers
+come, and lands each in order: checked against the room, scattered into the destination
+pages, or dropped (the pool is never written by a rejected piece).
 
 The connection to a peer is made at handshake (`connect`), not on a request's path, and warmed
 with one message from each buffer a transfer uses (the staging buffers and the pool, into the
-receiver's staging buffers, made at their full size up front), so that UCX's endpoint wire-up,
-its registration caches and, on GPUs, the CUDA IPC mappings are in place before the first
-room.
+receiver's buffers, made at their full size up front), so that UCX's endpoint wire-up, its
+registration caches and, on GPUs, the CUDA IPC mappings are in place before the first room.
 Threads: the process's one ucx loop thread (ucx_loop.py: ucxx initialised there with Python
 futures, so an idle loop sleeps instead of spinning, and polling completions itself while a
-transfer is under way) owns every ucxx object and does all of a
-transfer's work (gathers, sends; receives, scatters); write() runs on the caller's transfer
-thread, cuts the chunk into pieces and waits for the one coroutine that sends them, so a
-chunk's pieces never change threads.
+transfer is under way) owns every ucxx object and does all of a transfer's work (gathers,
+sends; receives, scatters); write() runs on the caller's transfer thread, cuts the chunk into
+pieces and waits for the one coroutine that sends them, so a chunk's pieces never change
+threads.
 """
 
 from __future__ import annotations
@@ -38,37 +36,30 @@ import torch
 
 from pdserve.kvtransfer.backends.staging import (
     IN_FLIGHT,
-    RecvRing,
     event_done,
     gather,
     message_bytes,
     one_run,
     piece_bytes,
-    scatter,
-    scatter_index,
     warm_copies,
 )
 from pdserve.kvtransfer.backends.staging import split as split_pieces
-from pdserve.kvtransfer.backends.ucx_frames import FRAME_BYTES, announced, body_of, items, pack
+from pdserve.kvtransfer.backends.ucx_frames import pack
 from pdserve.kvtransfer.backends.ucx_loop import hot, ucx_loop
+from pdserve.kvtransfer.backends.ucx_recv import WARM, serve
+from pdserve.kvtransfer.backends.ucx_recv import as_ucx as _buf
 from pdserve.kvtransfer.descriptors import NUM, SRC, run_pages
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
 from pdserve.kvtransfer.trace import stamp
 
 log = logging.getLogger("pdserve.kvtransfer")
-WARM = b"PDKVWARM"  # then u64 byte count: a warm-up payload follows, received and dropped
 
 
-async def _hot(op: Any) -> Any:
-    """Await a ucxx operation with the loop polling completions meanwhile (ucx_loop.py)."""
-    with hot():
-        return await op
-
-
-def _buf(t: torch.Tensor) -> Any:
-    """What ucxx accepts: numpy for host memory, the tensor itself (cuda array) on GPU."""
-    flat = t.reshape(-1).view(torch.uint8)
-    return flat.numpy() if flat.device.type == "cpu" else flat
+def _fits(pool: torch.Tensor, peer_info: dict[str, Any]) -> int:
+    """The largest message the peer's receive buffers take (whole pages, at least one)."""
+    page = pool[0].numel() * pool.element_size()
+    announced = int(peer_info.get("message_bytes", 0))
+    return max(page, announced // page * page) if announced else pool.numel() * pool.element_size()
 
 
 class UcxEngine(TransferEngine):
@@ -100,112 +91,19 @@ class UcxEngine(TransferEngine):
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    # -- receiving ------------------------------------------------------------------------
+    # -- receiving (ucx_recv.py) ---------------------------------------------------------
     def start_receiver(self, handler: ReceiveHandler) -> dict[str, Any]:
+        nbytes = piece_bytes(self.region("kv"), self._stage_bytes)
         if self._listener is None:
             async def _on_connect(ep: Any) -> None:
-                await self._serve(ep, handler)
+                self._recv_eps.append(ep)
+                await serve(ep, self.region("kv"), nbytes, handler)
 
             async def _listen() -> Any:
                 return self._ucxx.create_listener(_on_connect)
 
             self._listener = self._run(_listen(), 30)
-        return {"host": self._host, "port": int(self._listener.port)}
-
-    async def _serve(self, ep: Any, handler: ReceiveHandler) -> None:
-        """Headers in order; each payload's receive posted at once under its own tag (up to
-        IN_FLIGHT at a time) and landed in order by `_land` as it completes."""
-        self._recv_eps.append(ep)
-        pool = self.region("kv")
-        ring = RecvRing(pool, piece_bytes(pool, self._stage_bytes))
-        slots = asyncio.Semaphore(IN_FLIGHT)  # a payload's buffer is free once landed
-        landing: asyncio.Queue = asyncio.Queue()
-        lander = asyncio.ensure_future(self._land(landing, slots, ring, pool, handler, id(ep)))
-        seq = 0
-        frame = bytearray(FRAME_BYTES)
-        try:
-            while True:
-                await ep.recv(frame)
-                body = body_of(frame)
-                big = announced(body)
-                if big is not None:
-                    whole = bytearray(big)
-                    await ep.recv(whole)
-                    body = bytes(whole)
-                if lander.done():
-                    lander.result()  # raises what stopped it
-                for msg in items(body):
-                    seq = await self._take(ep, msg, seq, ring, slots, landing, pool)
-        except ValueError as e:  # a malformed or oversized message: this peer is cut off
-            log.warning("ucx: closing a sender's endpoint: %s", e)
-            await ep.close()
-        except Exception as e:  # noqa: BLE001 - the peer went away
-            log.debug("ucx receive endpoint closed: %s", e)
-        finally:
-            lander.cancel()
-            while not landing.empty():  # posted receives the lander will not take
-                recv = landing.get_nowait()[0]
-                if recv is not None:
-                    recv.cancel()
-
-    async def _take(self, ep: Any, msg: bytes, seq: int, ring: RecvRing,
-                    slots: asyncio.Semaphore, landing: asyncio.Queue, pool: torch.Tensor) -> int:
-        """One item of a frame: a warm-up payload received and dropped, or a piece's header
-        whose payload receive is posted at once (landed by `_land`); the next payload tag."""
-        page_bytes = pool[0].numel() * pool.element_size()
-        max_bytes = pool.numel() * pool.element_size()
-        if msg.startswith(WARM):
-            n = int.from_bytes(msg[len(WARM):], "little")
-            if n > max_bytes:
-                raise ValueError(f"warm-up of {n} bytes exceeds the pool")
-            if n % page_bytes:
-                raise ValueError(f"warm-up of {n} bytes is not whole pages")
-            if n:
-                async with slots:
-                    buf = await ring.next(n)
-                    with hot():
-                        await ep.recv(_buf(buf), tag=seq)
-                    warm_copies(pool, ring.pages(buf))
-                seq += 1
-            return seq
-        header = ChunkHeader.from_bytes(msg)
-        stamp("header", header.room)
-        nbytes = [n * page_bytes for n in header.descs[:, NUM].tolist()]
-        total = sum(nbytes)
-        if total > max_bytes:
-            raise ValueError(f"chunk of {total} bytes exceeds the pool")
-        await slots.acquire()
-        buf = await ring.next(total)
-        recv = idx = None
-        if total:
-            recv = asyncio.ensure_future(_hot(ep.recv(_buf(buf), tag=seq)))
-            seq += 1
-            idx = scatter_index(pool, header.descs)  # uploaded while it arrives
-        landing.put_nowait((recv, header, nbytes, idx, ring.current))
-        return seq
-
-    @staticmethod
-    async def _land(landing: asyncio.Queue, slots: asyncio.Semaphore, ring: RecvRing,
-                    pool: torch.Tensor, handler: ReceiveHandler, who: int) -> None:
-        """Each received piece in arrival order of its header: checked against its room and
-        scattered into the pool (or dropped), then its buffer handed back."""
-        while True:
-            recv, header, nbytes, idx, b = await landing.get()
-            try:
-                if recv is not None:
-                    await recv
-                stamp("received", header.room)
-
-                def _write(views: list[torch.Tensor], header: ChunkHeader = header,
-                           idx: torch.Tensor | None = idx, b: int = b) -> None:
-                    del views  # the same pages, scattered in one pass
-                    scatter(ring.whole(b), pool, header.descs, ring.copiers, idx)
-                    ring.scattered(b)
-                    stamp("copied", header.room)
-
-                handler.place_chunk(f"ucx:{who}", header, nbytes, _write)
-            finally:
-                slots.release()
+        return {"host": self._host, "port": int(self._listener.port), "message_bytes": nbytes}
 
     # -- sending --------------------------------------------------------------------------
     async def _endpoint(self, peer: str, info: dict[str, Any]) -> Any:
@@ -242,7 +140,8 @@ class UcxEngine(TransferEngine):
         on the engine's loop; the returned future says when. The warm-up only reads the
         buffers: a gather for another peer meanwhile changes nothing the receiver keeps."""
         pool = self.region("kv")
-        warm = [*(self._staging(pool, b, 1) for b in range(IN_FLIGHT)), pool[:1]]
+        fits = _fits(pool, peer_info) // (pool[0].numel() * pool.element_size())
+        warm = [*(self._staging(pool, b, 1)[:fits] for b in range(IN_FLIGHT)), pool[:1]]
         warm_copies(pool, warm[0])
 
         async def _warm() -> None:
@@ -277,8 +176,8 @@ class UcxEngine(TransferEngine):
         page_bytes = pool[0].numel() * pool.element_size()
         total = int(header.descs[:, NUM].sum()) * page_bytes
         whole = len(header.descs) > 0 and one_run(run_pages(header.descs, SRC))
-        pieces = split_pieces(header, page_bytes,
-                              message_bytes(pool, self._stage_bytes, total, contiguous=whole))
+        size = message_bytes(pool, self._stage_bytes, total, contiguous=whole)
+        pieces = split_pieces(header, page_bytes, min(size, _fits(pool, peer_info)))
         done = asyncio.run_coroutine_threadsafe(
             self._send_locked(peer, peer_info, pool, pieces), self._loop)
         try:

@@ -1,6 +1,6 @@
 """The ucx backend's staged path between two real processes: a chunk cut into several messages
 (scattered pages gathered into alternating staging buffers, runs sent straight from the pool)
-arrives bit-exact, the connection to decode exists once the handshake is done, before any
+arrives bit-exact, also into receive buffers smaller than the sender's messages would be, the connection to decode exists once the handshake is done, before any
 page is sent, and an idle receiver does not spin."""
 
 from __future__ import annotations
@@ -17,11 +17,16 @@ pytestmark = pytest.mark.skipif(not importable("ucx"), reason="ucxx is not insta
 SPEC = PoolSpec(num_pages=64, num_layers=3, page_size=4, num_kv_heads=2, head_dim=8)
 
 
-def test_staged_pieces_arrive_bit_exact_on_a_connection_made_at_handshake() -> None:
-    # Three pages per message: each chunk below crosses several messages and both buffers.
-    cfg = TransferConfig(backend="ucx", stage_bytes=3 * SPEC.page_bytes,
+@pytest.mark.parametrize("prefill_pages,decode_pages", [(3, 3), (5, 2)])
+def test_staged_pieces_arrive_bit_exact_on_a_connection_made_at_handshake(
+        prefill_pages: int, decode_pages: int) -> None:
+    # A few pages per message: each chunk below crosses several messages and both buffers.
+    # Where decode's receive buffers are smaller than prefill's messages would be, prefill cuts
+    # its messages (and its warm-up) to what decode announced.
+    cfg = TransferConfig(backend="ucx", stage_bytes=prefill_pages * SPEC.page_bytes,
                          heartbeat_interval_s=0.2, heartbeat_misses=5)
-    decode = PeerProcess("decode", SPEC, cfg)
+    decode = PeerProcess("decode", SPEC, TransferConfig(
+        **{**cfg.__dict__, "stage_bytes": decode_pages * SPEC.page_bytes}))
     spec = PoolSpec(**{**SPEC.__dict__, "seed": 8})
     pool, _ = make_pool(spec)
     pmgr = KVManager("prefill", pool, cfg, spec.fingerprint())
