@@ -14,12 +14,13 @@ import time
 from pdserve.envs import envs
 
 # In the order a one-sided chunk passes them ("mapped", "uploaded" and "kernel" inside the
-# cuda_ipc write, the last two on its kernel path only). ucx stamps each piece of a chunk
-# ("staged": its payload ready to send, "header": its header at the receiver, "received": its
-# payload there, "copied": its scatter launched) and "launched" once every send is done; a
-# room's summary takes each stage's first stamp.
-STAGES = ("send", "dequeue", "mapped", "uploaded", "kernel", "staged", "header", "launched",
-          "notified", "received", "copied", "success")
+# cuda_ipc write, the last two on its kernel path only). ucx stamps the chunk's start on its
+# loop ("looped") and each piece of it ("issued": its gather launched, "staged": its payload
+# ready to send, "header": its header at the receiver, "received": its payload there,
+# "copied": its scatter launched) and "launched" once every send is done; a room's summary
+# takes each stage's first stamp.
+STAGES = ("send", "dequeue", "looped", "mapped", "uploaded", "kernel", "issued", "staged",
+          "header", "launched", "notified", "received", "copied", "success")
 
 
 def stamp(stage: str, room: int) -> None:

@@ -206,6 +206,7 @@ class UcxEngine(TransferEngine):
         previous send is done) or taken from the pool when its pages are one run, then sent
         under its own tag without waiting for the one before. So up to IN_FLIGHT payloads are
         on the wire at once, and the gather of one runs while the other moves."""
+        stamp("looped", pieces[0].room)
         ep = await self._endpoint(peer, info)
         busy: list[asyncio.Future | None] = [None] * IN_FLIGHT  # the send reading buffer b
         sends: list[asyncio.Future] = [asyncio.ensure_future(self._headers(ep, pieces))]
@@ -245,6 +246,7 @@ class UcxEngine(TransferEngine):
         if one_run(pages):
             return pool[int(pages[0]):int(pages[0]) + len(pages)]
         out = gather(pool, piece.descs, self._staging(pool, b, len(pages)), self._copiers)
+        stamp("issued", piece.room)
         if pool.is_cuda:
             self._ready[b].record(torch.cuda.current_stream(pool.device))
             await event_done(self._ready[b])
