@@ -58,18 +58,29 @@ def gpu_timer(stream: object) -> GpuTimer | None:
 
 def summarize(lines: list[str]) -> dict[str, float]:
     """Median milliseconds from each stage to the next one a room passed, and of the GPU copy
-    times."""
+    times; then the same steps of the log's first room alone (`first a->b`: the first room
+    to a new peer is the one that pays for whatever was not set up before it)."""
     from pdserve.trace_log import first_stamps, median
 
     at = first_stamps(lines, "kvtrace", key=int)
     values: dict[str, list[float]] = {}
     for t in at.values():
-        seen = [s for s in STAGES if s in t]
-        for a, b in zip(seen, seen[1:]):
-            values.setdefault(f"{a}->{b}", []).append((t[b] - t[a]) * 1e3)
-        if "gpu_copy_ms" in t:
-            values.setdefault("gpu_copy_ms", []).append(t["gpu_copy_ms"])
-    return {key: median(v) for key, v in values.items()}
+        for step, ms in _steps(t).items():
+            values.setdefault(step, []).append(ms)
+    out = {key: median(v) for key, v in values.items()}
+    sent = [t for t in at.values() if "send" in t]
+    if len(sent) > 1:
+        first = min(sent, key=lambda t: t["send"])
+        out.update({f"first {step}": round(ms, 3) for step, ms in _steps(first).items()})
+    return out
+
+
+def _steps(t: dict[str, float]) -> dict[str, float]:
+    seen = [s for s in STAGES if s in t]
+    steps = {f"{a}->{b}": (t[b] - t[a]) * 1e3 for a, b in zip(seen, seen[1:])}
+    if "gpu_copy_ms" in t:
+        steps["gpu_copy_ms"] = t["gpu_copy_ms"]
+    return steps
 
 
 def main(argv: list[str] | None = None) -> int:

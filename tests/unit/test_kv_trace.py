@@ -21,6 +21,8 @@ def test_summary_takes_medians_between_the_stages_each_room_passed() -> None:
     assert out["launched->success"] == round(3.0 - 0.1 - 0.7, 3)
     assert out["gpu_copy_ms"] == 1.5
     assert "launched->notified" not in out
+    assert out["first dequeue->launched"] == 0.5  # room 0, sent first
+    assert out["first send->dequeue"] == 0.1 and "first gpu_copy_ms" not in out
 
 
 def test_pdserve_kvtrace_prints_the_summary(tmp_path, capsys) -> None:  # noqa: ANN001
