@@ -128,8 +128,14 @@ def _copier(src: torch.Tensor, dst: torch.Tensor, cache: Copiers | None) -> obje
 def copy_index(src_pages: np.ndarray, dst_pages: np.ndarray,
                device: torch.device) -> torch.Tensor:
     """The page lists of one copy as a [2, n] int64 tensor on `device` (uploaded without
-    blocking), so that it can be made before the copy is due."""
-    return to_device(torch.from_numpy(np.stack([src_pages, dst_pages])), device)
+    blocking), so that it can be made before the copy is due. Its rows are padded to an even
+    length, so that both start 16-byte aligned whatever n is: Triton compiles a kernel per
+    pointer alignment, and the handshake's one-page warm-up must run the specialization a
+    room's copies take, not leave its compilation to the first room."""
+    n = len(src_pages)
+    both = np.zeros((2, n + n % 2), dtype=np.int64)
+    both[0, :n], both[1, :n] = src_pages, dst_pages
+    return to_device(torch.from_numpy(both), device)[:, :n]
 
 
 def _kernel_copy(src: torch.Tensor, dst: torch.Tensor, src_pages: np.ndarray,

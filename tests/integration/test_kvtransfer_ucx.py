@@ -1,7 +1,8 @@
 """The ucx backend's staged path between two real processes: a chunk cut into several messages
 (scattered pages gathered into alternating staging buffers, runs sent straight from the pool)
-arrives bit-exact, also into receive buffers smaller than the sender's messages would be, the connection to decode exists once the handshake is done, before any
-page is sent, and an idle receiver does not spin."""
+arrives bit-exact, also into receive buffers smaller than the sender's messages would be; the
+connection to decode exists once the handshake is done, before any page is sent; and an idle
+receiver does not spin."""
 
 from __future__ import annotations
 

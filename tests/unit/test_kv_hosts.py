@@ -17,6 +17,7 @@ from pdserve.kvtransfer.backends.staging import (
     HOST_PIECE_BYTES,
     IN_FLIGHT,
     MIN_SPLIT_BYTES,
+    copy_index,
     gather,
     message_bytes,
     one_run,
@@ -163,3 +164,15 @@ def test_gather_then_scatter_moves_exactly_the_pages() -> None:
     warm_copies(pool, stage)  # reads the pool, writes only the staging rows
     assert torch.equal(pool.view(torch.int16), before.view(torch.int16))
     assert torch.equal(stage[0].view(torch.int16), pool[0].view(torch.int16))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 128])
+def test_copy_index_rows_are_the_pages_and_both_16_byte_aligned(n: int) -> None:
+    """Triton compiles a kernel per pointer alignment: the second row of a [2, n] index
+    must start aligned for odd n too, or a one-page warm-up compiles another kernel than a
+    room's copies use."""
+    src, dst = np.arange(n, dtype=np.int64) * 3, np.arange(n, dtype=np.int64) + 5
+    idx = copy_index(src, dst, torch.device("cpu"))
+    assert idx.shape == (2, n) and idx[1].is_contiguous()
+    assert idx[0].tolist() == src.tolist() and idx[1].tolist() == dst.tolist()
+    assert (idx[1].data_ptr() - idx[0].data_ptr()) % 16 == 0
