@@ -214,6 +214,19 @@ def warm_copies(pool: torch.Tensor, stage: torch.Tensor) -> None:
     scatter(stage[:1].clone(), stage, d)
     if pool.is_cuda:
         torch.cuda.current_stream(pool.device).synchronize()
+        _warm_pinned(stage.shape[0])
+
+
+def _warm_pinned(pages: int) -> None:
+    """Pinned host blocks of every size an index of up to `pages` pages is uploaded through
+    (copy_index: torch's caching host allocator keeps one free list per power of two), made
+    and freed, so that a room's first upload of a size reuses a block instead of paying for
+    cudaHostAlloc inside the room."""
+    size = 32
+    while size < 16 * (pages + 2):
+        torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        size *= 2
+    torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
 
 class RecvRing:

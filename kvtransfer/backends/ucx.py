@@ -178,8 +178,9 @@ class UcxEngine(TransferEngine):
         whole = len(header.descs) > 0 and one_run(run_pages(header.descs, SRC))
         size = message_bytes(pool, self._stage_bytes, total, contiguous=whole)
         pieces = split_pieces(header, page_bytes, min(size, _fits(pool, peer_info)))
+        first = self._launch(pool, pieces[0], 0)  # runs on the GPU during the hand-over
         done = asyncio.run_coroutine_threadsafe(
-            self._send_locked(peer, peer_info, pool, pieces), self._loop)
+            self._send_locked(peer, peer_info, pool, pieces, first), self._loop)
         try:
             try:
                 done.result(self._timeout)
@@ -193,13 +194,13 @@ class UcxEngine(TransferEngine):
             raise
 
     async def _send_locked(self, peer: str, info: dict[str, Any], pool: torch.Tensor,
-                           pieces: list[ChunkHeader]) -> None:
+                           pieces: list[ChunkHeader], first: torch.Tensor | None) -> None:
         async with self._sending.setdefault(peer, asyncio.Lock()):
             with hot():
-                await self._send(peer, info, pool, pieces)
+                await self._send(peer, info, pool, pieces, first)
 
     async def _send(self, peer: str, info: dict[str, Any], pool: torch.Tensor,
-                    pieces: list[ChunkHeader]) -> None:
+                    pieces: list[ChunkHeader], first: torch.Tensor | None) -> None:
         """The pieces' headers first, as one frame on the endpoint's default tag (`_headers`),
         so that the receiver posts each payload's receive while this side gathers it. Each
         piece's payload: gathered into staging buffer k % IN_FLIGHT (once that buffer's
@@ -216,8 +217,10 @@ class UcxEngine(TransferEngine):
                 if busy[b] is not None:
                     await busy[b]
                     busy[b] = None
-                payload = await self._stage(pool, piece, b)
+                payload = first if k == 0 else self._launch(pool, piece, b)
                 if payload is not None:
+                    if self._ready:  # a GPU: the gather has run (an unused event has too)
+                        await event_done(self._ready[b])
                     stamp("staged", piece.room)
                     task = asyncio.ensure_future(ep.send(_buf(payload), tag=self._tag(peer)))
                     busy[b] = task
@@ -235,11 +238,10 @@ class UcxEngine(TransferEngine):
         for msg in pack([piece.to_bytes() for piece in pieces]):
             await ep.send(msg)
 
-    async def _stage(self, pool: torch.Tensor, piece: ChunkHeader,
-                     b: int) -> torch.Tensor | None:
+    def _launch(self, pool: torch.Tensor, piece: ChunkHeader, b: int) -> torch.Tensor | None:
         """The piece's payload: the pool slice when its pages are one run, else gathered into
-        staging buffer b; on a GPU, once the gather has run (UCX reads the buffer outside any
-        stream), awaited without blocking the loop's other sends."""
+        staging buffer b, on a GPU asynchronously (the gather's event `_ready[b]` says when
+        UCX, which reads the buffer outside any stream, may send it)."""
         if len(piece.descs) == 0:
             return None
         pages = run_pages(piece.descs, SRC)
@@ -249,7 +251,6 @@ class UcxEngine(TransferEngine):
         stamp("issued", piece.room)
         if pool.is_cuda:
             self._ready[b].record(torch.cuda.current_stream(pool.device))
-            await event_done(self._ready[b])
         return out
 
     def drop_peer(self, peer: str) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -47,8 +47,10 @@ def as_ucx(t: torch.Tensor) -> Any:
 
 
 async def serve(ep: Any, pool: torch.Tensor, nbytes: int, handler: ReceiveHandler) -> None:
-    """Frames of headers in order, each item landed before the next (payloads received into
-    the posted buffers); until the endpoint closes or sends what the protocol refuses."""
+    """Frames of headers in order; a frame's items all read first (sizes checked, scatter
+    indices uploaded), then landed in order (payloads received into the posted buffers, so
+    a later piece's index is on the GPU before its payload lands); until the endpoint closes
+    or sends what the protocol refuses."""
     r = _Endpoint(ep, pool, nbytes, handler)
     frame = bytearray(FRAME_BYTES)
     try:
@@ -61,8 +63,8 @@ async def serve(ep: Any, pool: torch.Tensor, nbytes: int, handler: ReceiveHandle
                     whole = bytearray(big)
                     await ep.recv(whole)
                     body = bytes(whole)
-                for msg in items(body):
-                    await r.take(msg)
+                for item in [r.read(msg) for msg in items(body)]:
+                    await r.land(item)
     except ValueError as e:  # a malformed or oversized message: this peer is cut off
         log.warning("ucx: closing a sender's endpoint: %s", e)
         await ep.close()
@@ -70,6 +72,16 @@ async def serve(ep: Any, pool: torch.Tensor, nbytes: int, handler: ReceiveHandle
         log.debug("ucx receive endpoint closed: %s", e)
     finally:
         r.cancel()
+
+
+class _Item(NamedTuple):
+    """A frame's item once read: a piece's header (None for a warm-up), its payload's bytes,
+    the bytes per descriptor and the uploaded scatter index."""
+
+    header: ChunkHeader | None
+    total: int
+    nbytes: list[int] | None
+    idx: torch.Tensor | None
 
 
 class _Endpoint:
@@ -97,34 +109,43 @@ class _Endpoint:
 
         self._posted[tag] = asyncio.ensure_future(_recv())
 
-    async def _payload(self, n: int) -> int:
-        """Wait for the next payload, of `n` bytes; its tag."""
-        if n > self._ring.nbytes:
-            raise ValueError(f"a message of {n} bytes exceeds the {self._ring.nbytes}-byte "
-                             "receive buffers")
+    async def _payload(self) -> int:
+        """Wait for the next payload; its tag."""
         t, self._tag = self._tag, self._tag + 1
         await self._posted.pop(t)
         return t
 
-    async def take(self, msg: bytes) -> None:
-        """One item of a frame: a warm-up payload received and dropped, or a piece's header
-        with its payload received and placed."""
-        ring = self._ring
+    def read(self, msg: bytes) -> _Item:
+        """One item of a frame, read as soon as the frame comes: a warm-up's size, or a
+        piece's header with its destination index uploaded (while earlier pieces land)."""
         if msg.startswith(WARM):
             n = int.from_bytes(msg[len(WARM):], "little")
             if n % self._page:
                 raise ValueError(f"warm-up of {n} bytes is not whole pages")
-            if n:
-                t = await self._payload(n)
-                warm_copies(self._pool, ring.pages(ring.buf(t % IN_FLIGHT)[:n]))
-                self._post(t + IN_FLIGHT, None)  # warm_copies synchronized
-            return
+            self._fits(n)
+            return _Item(None, n, None, None)
         header = ChunkHeader.from_bytes(msg)
         stamp("header", header.room)
         nbytes = [n * self._page for n in header.descs[:, NUM].tolist()]
-        total = sum(nbytes)
-        idx = scatter_index(self._pool, header.descs) if total else None  # uploaded meanwhile
-        t = await self._payload(total) if total else None
+        total = self._fits(sum(nbytes))
+        idx = scatter_index(self._pool, header.descs) if total else None
+        return _Item(header, total, nbytes, idx)
+
+    def _fits(self, n: int) -> int:
+        if n > self._ring.nbytes:
+            raise ValueError(f"a message of {n} bytes exceeds the {self._ring.nbytes}-byte "
+                             "receive buffers")
+        return n
+
+    async def land(self, item: _Item) -> None:
+        """A read item's payload received, then dropped (a warm-up) or checked and placed."""
+        ring, header = self._ring, item.header
+        t = await self._payload() if item.total else None
+        if header is None:  # a warm-up
+            if t is not None:
+                warm_copies(self._pool, ring.pages(ring.buf(t % IN_FLIGHT)[:item.total]))
+                self._post(t + IN_FLIGHT, None)  # warm_copies synchronized
+            return
         stamp("received", header.room)
         done: list[torch.cuda.Event | None] = [None]
 
@@ -133,12 +154,12 @@ class _Endpoint:
             if t is None:
                 return
             b = t % IN_FLIGHT
-            scatter(ring.whole(b), self._pool, header.descs, ring.copiers, idx)
+            scatter(ring.whole(b), self._pool, header.descs, ring.copiers, item.idx)
             done[0] = ring.scattered(b)
             stamp("copied", header.room)
 
         try:
-            self._handler.place_chunk(self._who, header, nbytes, _write)
+            self._handler.place_chunk(self._who, header, item.nbytes, _write)
         finally:
             if t is not None:
                 self._post(t + IN_FLIGHT, done[0])
