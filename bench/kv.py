@@ -214,6 +214,7 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm,
                         "ucx_env": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
                                             if k.startswith("UCX_")),
                         "stage_mib": args.stage_mib,
+                        "ucx_puts": backend == "ucx" and _ucx_puts(),
                     })
     finally:
         mgr.close()
@@ -221,6 +222,13 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm,
         for shm in shms:
             shm.close()
     return rows
+
+
+def _ucx_puts() -> bool:
+    """Whether this process (the receiver) offers ucx senders one-sided puts."""
+    from pdserve.kvtransfer.backends.ucx_put import receiver_offers
+
+    return receiver_offers()
 
 
 def against_homogeneous(hetero: list[dict], homog: list[dict]) -> list[dict]:

@@ -104,3 +104,13 @@ def coalesce(d: np.ndarray) -> np.ndarray:
     brk[1:] = (src[1:] != src[:-1] + num[:-1]) | (dst[1:] != dst[:-1] + num[:-1])
     starts = np.flatnonzero(brk)
     return np.stack([src[starts], dst[starts], np.add.reduceat(num, starts)], axis=1)
+
+
+def check_runs(runs: np.ndarray, n_peer: int, n_local: int, peer: str) -> None:
+    """A one-sided sender's guard on `coalesce` rows: every destination inside the peer's pool
+    and every source inside ours (page 0 excluded on both); raises ValueError."""
+    src, dst, num = runs[:, 0], runs[:, 1], runs[:, 2]
+    if dst.min() <= 0 or int((dst + num).max()) > n_peer:
+        raise ValueError(f"destination pages outside the pool of peer {peer} [1, {n_peer})")
+    if src.min() <= 0 or int((src + num).max()) > n_local:
+        raise ValueError(f"source pages outside the local pool [1, {n_local})")

@@ -15,7 +15,9 @@ log = logging.getLogger("pdserve.kvtransfer")
 INLINE_BACKENDS = frozenset({"cuda_ipc"})
 # The sender writes decode's pages itself: decode cannot refuse bytes, so a room decode fails
 # waits for prefill to confirm that no write of it is in flight before its pages are reused.
-ONE_SIDED_BACKENDS = frozenset({"shm", "cuda_ipc", "nixl"})
+# (ucx puts where the receiver maps its pool, which it does unless PDSERVE_UCX_RMA=0; a
+# two-sided ucx peer's abort merely waits for that confirmation too.)
+ONE_SIDED_BACKENDS = frozenset({"shm", "cuda_ipc", "nixl", "ucx"})
 # Backends whose connection to a peer is set up at handshake (engine.connect), so that the
 # first room to a new peer does not pay for it.
 CONNECT_AT_BOOTSTRAP = frozenset({"ucx", "nixl"})

@@ -29,7 +29,7 @@ import torch
 
 from pdserve.kvtransfer.backends.nixl_lib import WARMUP, NotifPoller, new_agent
 from pdserve.kvtransfer.chunk_header import ChunkHeader
-from pdserve.kvtransfer.descriptors import coalesce
+from pdserve.kvtransfer.descriptors import check_runs, coalesce
 from pdserve.kvtransfer.engine import ReceiveHandler, TransferEngine
 
 log = logging.getLogger("pdserve.kvtransfer")
@@ -128,12 +128,8 @@ class NixlEngine(TransferEngine):
         if len(runs) == 0:  # a last chunk with no pages left: only the header travels
             self._agent.send_notif(remote, header.to_bytes())
             return
+        check_runs(runs, int(peer_info["num_pages"]), int(self._local["num_pages"]), peer)
         src, dst, num = runs[:, 0], runs[:, 1], runs[:, 2]
-        n_peer, n_local = int(peer_info["num_pages"]), int(self._local["num_pages"])
-        if dst.min() <= 0 or int((dst + num).max()) > n_peer:
-            raise ValueError(f"destination pages outside the pool of peer {peer} [1, {n_peer})")
-        if src.min() <= 0 or int((src + num).max()) > n_local:
-            raise ValueError(f"source pages outside the local pool [1, {n_local})")
         agent = self._agent
         local = agent.get_xfer_descs(run_descs(self._local, src, num), self._local["mem"])
         far = agent.get_xfer_descs(run_descs(peer_info, dst, num), peer_info["mem"])

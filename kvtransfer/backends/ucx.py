@@ -1,27 +1,32 @@
-"""`ucx` backend over ucxx (tagged send/recv; UCX picks cuda_ipc/NVLink, RDMA, shm or TCP).
+"""`ucx` backend over ucxx (UCX picks cuda_ipc/NVLink, RDMA, shm or TCP).
 
-ucxx has no one-sided put/get in Python (no memory handle or remote key), and each message
-costs tens of microseconds on the host and about a millisecond of latency between GPU
-processes, so a chunk moves as a few large messages (staging.py `message_bytes`), each
-gathered into one of IN_FLIGHT staging buffers on the sender (or sent straight from the pool
-when its pages are one run), none larger than the receive buffers the receiver announced. A
-chunk's headers go first, as one frame on the endpoint's default tag (ucx_frames.py), before
-its payloads are gathered; each payload goes under its own tag (a count both sides keep per
-endpoint) without waiting for the one before, so a chunk's messages are on the wire together.
-The receiver (ucx_recv.py) has the receives of the next payloads posted before their headers
-come, and lands each in order: checked against the room, scattered into the destination
-pages, or dropped (the pool is never written by a rejected piece).
+Where the receiver maps its pool for remote writes (the default), a chunk's pages are put
+one-sided from the sender's pool into the receiver's and its header follows (ucx_put.py).
+
+Otherwise (`PDSERVE_UCX_RMA=0` on the receiver, or a libucp without RMA) it moves as tagged
+messages, each costing tens of microseconds on the host and about a millisecond of latency
+between GPU processes, so a chunk moves as a few large messages (staging.py `message_bytes`),
+each gathered into one of IN_FLIGHT staging buffers on the sender (or sent straight from the
+pool when its pages are one run), none larger than the receive buffers the receiver
+announced. A chunk's headers go first, as one frame on the endpoint's default tag
+(ucx_frames.py), before its payloads are gathered; each payload goes under its own tag (a
+count both sides keep per endpoint) without waiting for the one before, so a chunk's messages
+are on the wire together. The receiver (ucx_recv.py) has the receives of the next payloads
+posted before their headers come, and lands each in order: checked against the room,
+scattered into the destination pages, or dropped (the pool is never written by a rejected
+piece).
 
 The connection to a peer is made at handshake (`connect`), not on a request's path, and warmed
-with one message from each buffer a transfer uses (the staging buffers and the pool, into the
-receiver's buffers, made at their full size up front), so that UCX's endpoint wire-up, its
-registration caches and, on GPUs, the CUDA IPC mappings are in place before the first room.
+(one-sided: one put into the peer's page 0; staged: one message from each buffer a transfer
+uses, the staging buffers and the pool, into the receiver's buffers, made at their full size
+up front), so that UCX's endpoint wire-up, its registration caches and, on GPUs, the CUDA IPC
+mappings are in place before the first room.
 Threads: the process's one ucx loop thread (ucx_loop.py: ucxx initialised there with Python
 futures, so an idle loop sleeps instead of spinning, and polling completions itself while a
-transfer is under way) owns every ucxx object and does all of a transfer's work (gathers,
-sends; receives, scatters); write() runs on the caller's transfer thread, cuts the chunk into
-pieces and waits for the one coroutine that sends them, so a chunk's pieces never change
-threads.
+transfer is under way) owns every ucxx object and does all of a transfer's work (puts,
+gathers, sends; receives, scatters); write() runs on the caller's transfer thread, cuts the
+chunk into pieces and waits for the one coroutine that sends them, so a chunk's pieces never
+change threads.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from pdserve.kvtransfer.backends.staging import (
 from pdserve.kvtransfer.backends.staging import split as split_pieces
 from pdserve.kvtransfer.backends.ucx_frames import pack
 from pdserve.kvtransfer.backends.ucx_loop import hot, ucx_loop
+from pdserve.kvtransfer.backends.ucx_put import PutSender, offer
 from pdserve.kvtransfer.backends.ucx_recv import WARM, serve
 from pdserve.kvtransfer.backends.ucx_recv import as_ucx as _buf
 from pdserve.kvtransfer.descriptors import NUM, SRC, run_pages
@@ -64,6 +70,7 @@ def _fits(pool: torch.Tensor, peer_info: dict[str, Any]) -> int:
 
 class UcxEngine(TransferEngine):
     name = "ucx"
+    one_sided = True  # where the receiver offers puts; their header travels with write()
 
     def __init__(self, host: str = "127.0.0.1", send_timeout_s: float = 30.0,
                  stage_bytes: int = 0, **_: Any) -> None:
@@ -87,6 +94,9 @@ class UcxEngine(TransferEngine):
         self._stages: list[torch.Tensor] = []  # sender: IN_FLIGHT staging buffers
         self._ready: list[Any] = []  # sender, GPU: an event after each buffer's gather
         self._copiers: dict = {}  # sender: the gather kernels of the pool into each buffer
+        self._puts = PutSender(send_timeout_s)  # sender: one-sided writes (loop thread only)
+        self._mapping: Any = None  # receiver: its pool mapped for them
+        self._rma: dict[str, Any] = {}  # receiver: what its start_receiver info says of it
 
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -103,13 +113,24 @@ class UcxEngine(TransferEngine):
                 return self._ucxx.create_listener(_on_connect)
 
             self._listener = self._run(_listen(), 30)
-        return {"host": self._host, "port": int(self._listener.port), "message_bytes": nbytes}
+            self._mapping, self._rma = self._run(self._offer(), 30)
+        return {"host": self._host, "port": int(self._listener.port), "message_bytes": nbytes,
+                **self._rma}
+
+    async def _offer(self) -> tuple[Any, dict[str, Any]]:
+        return offer(self.region("kv"))
 
     # -- sending --------------------------------------------------------------------------
     async def _endpoint(self, peer: str, info: dict[str, Any]) -> Any:
         ep = self._eps.get(peer)
         if ep is None or ep.closed:
+            self._puts.forget(peer)
             ep = await self._ucxx.create_endpoint(info["host"], int(info["port"]))
+            try:
+                self._puts.attach(peer, ep, info)
+            except BaseException:
+                await ep.close()
+                raise
             self._eps[peer] = ep
             with self._tags_lock:
                 self._tags[peer] = 0  # a new endpoint: the receiver counts from 0
@@ -136,13 +157,17 @@ class UcxEngine(TransferEngine):
         return self._stages[b]
 
     def connect(self, peer: str, peer_info: dict[str, Any]) -> Future:
-        """The endpoint, then one warm-up message from each staging buffer and from the pool,
-        on the engine's loop; the returned future says when. The warm-up only reads the
-        buffers: a gather for another peer meanwhile changes nothing the receiver keeps."""
+        """The endpoint, then a warm-up on the engine's loop; the returned future says when.
+        One-sided: an empty warm-up frame and one put (`PutSender.warm`). Two-sided: one
+        warm-up message from each staging buffer and from the pool, which only reads the
+        buffers (a gather for another peer meanwhile changes nothing the receiver keeps)."""
         pool = self.region("kv")
-        fits = _fits(pool, peer_info) // (pool[0].numel() * pool.element_size())
-        warm = [*(self._staging(pool, b, 1)[:fits] for b in range(IN_FLIGHT)), pool[:1]]
-        warm_copies(pool, warm[0])
+        puts = self._puts.wanted(pool, peer_info)
+        warm: list[torch.Tensor] = []
+        if not puts:
+            fits = _fits(pool, peer_info) // (pool[0].numel() * pool.element_size())
+            warm = [*(self._staging(pool, b, 1)[:fits] for b in range(IN_FLIGHT)), pool[:1]]
+            warm_copies(pool, warm[0])
 
         async def _warm() -> None:
             async with self._sending.setdefault(peer, asyncio.Lock()):
@@ -151,36 +176,46 @@ class UcxEngine(TransferEngine):
         async def _warm_locked() -> None:
             ep = await self._endpoint(peer, peer_info)
             with hot():
-                for msg in pack([WARM + (t.numel() * t.element_size()).to_bytes(8, "little")
-                                 for t in warm]):
+                sizes = [t.numel() * t.element_size() for t in warm] or [0]
+                for msg in pack([WARM + n.to_bytes(8, "little") for n in sizes]):
                     await ep.send(msg)
                 for t in warm:
                     await ep.send(_buf(t), tag=self._tag(peer))
+                if puts:
+                    await self._puts.warm(peer, pool, peer_info)
 
         async def _go() -> None:
             try:
                 await asyncio.wait_for(_warm(), self._timeout)
             except BaseException:
-                ep = self._eps.pop(peer, None)
-                if ep is not None:
-                    await ep.close()
+                await self._close_ep(peer)
                 raise
 
         return asyncio.run_coroutine_threadsafe(_go(), self._loop)
 
     def write(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> None:
-        """The chunk's pieces, sent by one coroutine on the engine's loop (`_send`); this
-        thread only cuts the chunk and waits, so no piece waits for a hand-over between
-        threads."""
+        """The chunk sent by one coroutine on the engine's loop: put one-sided where the peer
+        offers it (`_put_locked`), else cut into pieces (`_send`); this thread only cuts the
+        chunk and waits, so no piece waits for a hand-over between threads."""
         pool = self.region("kv")
+        if self._puts.wanted(pool, peer_info):
+            if pool.is_cuda:
+                torch.cuda.current_stream(pool.device).synchronize()  # the pages are written
+            self._wait(peer, asyncio.run_coroutine_threadsafe(
+                self._put_locked(peer, peer_info, pool, header), self._loop))
+            return
         page_bytes = pool[0].numel() * pool.element_size()
         total = int(header.descs[:, NUM].sum()) * page_bytes
         whole = len(header.descs) > 0 and one_run(run_pages(header.descs, SRC))
         size = message_bytes(pool, self._stage_bytes, total, contiguous=whole)
         pieces = split_pieces(header, page_bytes, min(size, _fits(pool, peer_info)))
         first = self._launch(pool, pieces[0], 0)  # runs on the GPU during the hand-over
-        done = asyncio.run_coroutine_threadsafe(
-            self._send_locked(peer, peer_info, pool, pieces, first), self._loop)
+        self._wait(peer, asyncio.run_coroutine_threadsafe(
+            self._send_locked(peer, peer_info, pool, pieces, first), self._loop))
+
+    def _wait(self, peer: str, done: Future) -> None:
+        """A chunk's coroutine, within the send timeout; on failure the peer's connection
+        is dropped (a send may still read the buffers: start afresh)."""
         try:
             try:
                 done.result(self._timeout)
@@ -190,8 +225,19 @@ class UcxEngine(TransferEngine):
                 raise TimeoutError("ucx: send not done in time") from None
         except BaseException:
             done.cancel()
-            self.drop_peer(peer)  # a send may still read the buffers: start afresh
+            self.drop_peer(peer)
             raise
+
+    def notify(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> bool:
+        return True  # a put chunk's header went with write(); a two-sided one is its message
+
+    async def _put_locked(self, peer: str, info: dict[str, Any], pool: torch.Tensor,
+                          header: ChunkHeader) -> None:
+        async with self._sending.setdefault(peer, asyncio.Lock()):
+            with hot():
+                stamp("looped", header.room)
+                ep = await self._endpoint(peer, info)
+                await self._puts.write(peer, ep, pool, info, header)
 
     async def _send_locked(self, peer: str, info: dict[str, Any], pool: torch.Tensor,
                            pieces: list[ChunkHeader], first: torch.Tensor | None) -> None:
@@ -253,19 +299,21 @@ class UcxEngine(TransferEngine):
             self._ready[b].record(torch.cuda.current_stream(pool.device))
         return out
 
-    def drop_peer(self, peer: str) -> None:
-        async def _drop() -> None:
-            ep = self._eps.pop(peer, None)
-            if ep is not None:
-                await ep.close()
+    async def _close_ep(self, peer: str) -> None:
+        self._puts.forget(peer)
+        ep = self._eps.pop(peer, None)
+        if ep is not None:
+            await ep.close()
 
+    def drop_peer(self, peer: str) -> None:
         try:
-            self._run(_drop(), 5)
+            self._run(self._close_ep(peer), 5)
         except Exception as e:  # noqa: BLE001
             log.debug("ucx drop_peer: %s", e)
 
     def close(self) -> None:
         async def _close() -> None:
+            self._puts.close()
             for ep in [*self._eps.values(), *self._recv_eps]:
                 try:
                     await ep.close()
@@ -276,6 +324,9 @@ class UcxEngine(TransferEngine):
             if self._listener is not None:
                 self._listener.close()
                 self._listener = None
+            if self._mapping is not None:  # no endpoint can write it any more
+                self._mapping.close()
+                self._mapping = None
 
         try:
             self._run(_close(), 10)

@@ -1,8 +1,8 @@
 """KV transfer between two processes with GPU pools (runs on the GPU machine; skipped without
 CUDA): cuda_ipc in every copy mode; ucx on one GPU with UCX free to pick its transports and
-forced through the host as a cross-host TCP link would be (UCX_TLS=tcp,cuda_copy), staged in
-several messages; nixl where its wheel is installed. Timings are kvbench's (first room against
-the later ones), not asserted here."""
+forced through the host as a cross-host TCP link would be (UCX_TLS=tcp,cuda_copy), by
+one-sided puts and staged in several messages; nixl where its wheel is installed. Timings are
+kvbench's (first room against the later ones), not asserted here."""
 
 from __future__ import annotations
 
@@ -52,18 +52,22 @@ def test_cuda_ipc_pages_arrive_bit_exact(ipc_copy: str) -> None:
         assert prefill.close() == []
 
 
-@pytest.mark.parametrize(("backend", "ucx_tls"), [
-    ("ucx", None),  # UCX free to pick: cuda_ipc between the two processes
-    ("ucx", "tcp,cuda_copy"),  # through host memory, as across hosts without RDMA
-    ("nixl", None),
+@pytest.mark.parametrize(("backend", "ucx_tls", "rma"), [
+    ("ucx", None, "1"),  # UCX free to pick: cuda_ipc between the two processes; puts
+    ("ucx", None, "0"),  # the same, staged tagged messages
+    ("ucx", "tcp,cuda_copy", "1"),  # through host memory, as across hosts without RDMA
+    ("ucx", "tcp,cuda_copy", "0"),
+    ("nixl", None, "1"),
 ])
 def test_network_backends_between_two_processes_on_one_gpu(
-        backend: str, ucx_tls: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+        backend: str, ucx_tls: str | None, rma: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both workers are child processes on GPU 0 (UCX reads UCX_TLS when it starts, so the
-    mode is set before they spawn). Three pages per message: the scattered chunk crosses both
-    staging buffers several times; the pages arrive bit-exact and nothing stays registered."""
+    mode is set before they spawn). ucx one-sided (decode maps its pool) or staged, three
+    pages per message (the scattered chunk crosses both staging buffers several times); the
+    pages arrive bit-exact and nothing stays registered."""
     if not importable(backend):
         pytest.skip(f"{backend} is not installed")
+    monkeypatch.setenv("PDSERVE_UCX_RMA", rma)
     if ucx_tls is None:
         monkeypatch.delenv("UCX_TLS", raising=False)
     else:

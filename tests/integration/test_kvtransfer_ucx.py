@@ -1,8 +1,10 @@
-"""The ucx backend's staged path between two real processes: a chunk cut into several messages
-(scattered pages gathered into alternating staging buffers, runs sent straight from the pool)
-arrives bit-exact, also into receive buffers smaller than the sender's messages would be; the
-connection to decode exists once the handshake is done, before any page is sent; and an idle
-receiver does not spin."""
+"""The ucx backend between two real processes. Its staged path (the receiver offering no puts,
+`PDSERVE_UCX_RMA=0`): a chunk cut into several messages (scattered pages gathered into
+alternating staging buffers, runs sent straight from the pool) arrives bit-exact, also into
+receive buffers smaller than the sender's messages would be; the connection to decode exists
+once the handshake is done, before any page is sent; and an idle receiver does not spin. Its
+one-sided path (the default): scattered pages and runs put straight into decode's pool arrive
+bit-exact, nothing else of the pool is written, and the remote key is made at handshake."""
 
 from __future__ import annotations
 
@@ -18,12 +20,16 @@ pytestmark = pytest.mark.skipif(not importable("ucx"), reason="ucxx is not insta
 SPEC = PoolSpec(num_pages=64, num_layers=3, page_size=4, num_kv_heads=2, head_dim=8)
 
 
-@pytest.mark.parametrize("prefill_pages,decode_pages", [(3, 3), (5, 2)])
-def test_staged_pieces_arrive_bit_exact_on_a_connection_made_at_handshake(
-        prefill_pages: int, decode_pages: int) -> None:
-    # A few pages per message: each chunk below crosses several messages and both buffers.
-    # Where decode's receive buffers are smaller than prefill's messages would be, prefill cuts
-    # its messages (and its warm-up) to what decode announced.
+@pytest.mark.parametrize("puts,prefill_pages,decode_pages", [
+    (False, 3, 3), (False, 5, 2), (True, 3, 3)])
+def test_pages_arrive_bit_exact_on_a_connection_made_at_handshake(
+        puts: bool, prefill_pages: int, decode_pages: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Staged (the decode process offers no puts): a few pages per message, so each chunk below
+    # crosses several messages and both buffers; where decode's receive buffers are smaller
+    # than prefill's messages would be, prefill cuts its messages (and its warm-up) to what
+    # decode announced. One-sided: a put per run of pages, straight into decode's pool.
+    monkeypatch.setenv("PDSERVE_UCX_RMA", "1" if puts else "0")
     cfg = TransferConfig(backend="ucx", stage_bytes=prefill_pages * SPEC.page_bytes,
                          heartbeat_interval_s=0.2, heartbeat_misses=5)
     decode = PeerProcess("decode", SPEC, TransferConfig(
@@ -40,14 +46,18 @@ def test_staged_pieces_arrive_bit_exact_on_a_connection_made_at_handshake(
         assert wait_for(s, KVPoll.WaitingForInput) == KVPoll.WaitingForInput, s.failure_reason
         eng = pmgr._prefill.xfer.engine("ucx")  # type: ignore[union-attr]
         assert eng is not None and list(eng._eps) == [s.peer.hex()]  # type: ignore[union-attr]
-        s.send(src[:10], 0, False)
-        s.send(torch.tensor(src[10:]), 10, True, AuxData(5, -0.125, 2))
+        # one-sided: the remote key is unpacked on that endpoint, before any page is sent
+        assert ("rma" in s.peer_info) == puts
+        assert list(eng._puts._keys) == ([s.peer.hex()] if puts else [])  # type: ignore
+        s.send(src[:8], 0, False)  # one run
+        s.send(src[8:13], 8, False)  # scattered
+        s.send(torch.tensor(src[13:]), 13, True, AuxData(5, -0.125, 2))
         assert wait_for(s, KVPoll.Success) == KVPoll.Success, s.failure_reason
         st, reason = decode.call("wait", 3, int(KVPoll.Success), 10)
         assert st == KVPoll.Success, reason
         assert decode.call("checksum", dst) == page_checksum(pool, src)
         assert decode.call("aux", 3) == (5, -0.125, 2)
-        untouched = sorted(set(range(1, 64)) - set(dst))
+        untouched = sorted(set(range(1, 64)) - set(dst))  # page 0 takes the warm-up put
         zeros, _ = make_pool(SPEC)
         assert decode.call("checksum", untouched) == page_checksum(zeros, untouched)
         # Idle, the receiver's loop still awaits the next header: it sleeps on it instead of
@@ -81,3 +91,4 @@ def test_a_chunk_whose_headers_exceed_one_frame_arrives_bit_exact() -> None:
     finally:
         pmgr.close()
         assert decode.close() == []
+

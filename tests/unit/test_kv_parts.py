@@ -4,6 +4,7 @@ aux slots, shared-memory pool, page gather/scatter."""
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from pdserve.kvtransfer import AuxData, Fingerprint, FingerprintMismatch, KVPoll
 from pdserve.kvtransfer.aux import AuxSlots
 from pdserve.kvtransfer.backends.shm import split_runs
 from pdserve.kvtransfer.chunk_header import ChunkHeader
-from pdserve.kvtransfer.descriptors import coalesce, descs, merge_runs, validate_dst
+from pdserve.kvtransfer.descriptors import check_runs, coalesce, descs, merge_runs, validate_dst
 from pdserve.kvtransfer.poll import RoomState
 from pdserve.kvtransfer.shm_pool import ShmPoolBuffer, alloc_shm_pool
 
@@ -180,3 +181,15 @@ def test_gather_scatter_match_reference(pages: list[int]) -> None:
     assert not dst[rest].any()
     with pytest.raises(ValueError, match="out"):
         gather_pages(pool, pages, torch.empty(len(pages), 2, 2, 4, 4))
+
+
+@pytest.mark.parametrize(("runs", "why"), [
+    ([[1, 9, 2]], "destination pages outside the pool of peer p [1, 10)"),
+    ([[1, 0, 1]], "destination pages outside"),
+    ([[0, 3, 1]], "source pages outside the local pool [1, 8)"),
+    ([[7, 3, 2]], "source pages outside"),
+])
+def test_a_one_sided_sender_refuses_runs_outside_either_pool(runs: list, why: str) -> None:
+    check_runs(np.array([[1, 1, 7], [7, 9, 1]]), 10, 8, "p")  # the last page of each: fine
+    with pytest.raises(ValueError, match=re.escape(why)):
+        check_runs(np.array(runs), 10, 8, "p")

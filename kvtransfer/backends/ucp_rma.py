@@ -1,0 +1,189 @@
+"""One-sided UCX writes (RMA) through libucp, on the context and endpoints that ucxx made.
+
+ucxx's Python binding has no memory handle, remote key or put, but it exposes the raw UCP
+handles of its context (`core._ctx.context.handle`) and of each endpoint (`ep._ep.handle`),
+and its worker runs in UCS_THREAD_MODE_MULTI, so the few calls a one-sided write needs go to
+libucp directly through ctypes:
+
+- receiver: `map_pool` (`ucp_mem_map` of the pool, `ucp_rkey_pack`): the packed remote key,
+  sent to the sender with the pool's base address;
+- sender: `RemoteKey` (`ucp_ep_rkey_unpack` on the endpoint to the receiver), `put` (one
+  `ucp_put_nbx` per run of pages, its request released at once) and `flush`
+  (`ucp_ep_flush_nbx`: done once every put of the endpoint has landed at the receiver).
+
+ucxx's progress thread progresses the worker, so a request is only polled here
+(`Request.done`). Loading fails with a clear error where libucp or a symbol is missing
+(`available()` says whether it works here).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from functools import cache
+from typing import Any
+
+import torch
+
+UCS_INPROGRESS = 1
+ERR_LAST = -100  # UCS status codes lie in (ERR_LAST, 0]
+MAP_ADDRESS, MAP_LENGTH, MAP_MEMORY_TYPE = 1 << 0, 1 << 1, 1 << 4
+MEMORY_HOST, MEMORY_CUDA = 0, 1  # ucs_memory_type_t
+_VP = ctypes.c_void_p
+
+
+class _MemMapParams(ctypes.Structure):  # ucp_mem_map_params_t
+    _fields_ = [("field_mask", ctypes.c_uint64), ("address", _VP),
+                ("length", ctypes.c_size_t), ("flags", ctypes.c_uint), ("prot", ctypes.c_uint),
+                ("memory_type", ctypes.c_int), ("exported_memh_buffer", _VP)]
+
+
+# ucp_request_param_t with op_attr_mask 0 (no callback, bytes, memory type detected); larger
+# than the struct of any libucp version
+_NO_PARAMS = ctypes.create_string_buffer(256)
+
+_SIGNATURES = [
+    ("ucp_mem_map", ctypes.c_int, [_VP, ctypes.POINTER(_MemMapParams), ctypes.POINTER(_VP)]),
+    ("ucp_mem_unmap", ctypes.c_int, [_VP, _VP]),
+    ("ucp_rkey_pack", ctypes.c_int, [_VP, _VP, ctypes.POINTER(_VP),
+                                     ctypes.POINTER(ctypes.c_size_t)]),
+    ("ucp_rkey_buffer_release", None, [_VP]),
+    ("ucp_ep_rkey_unpack", ctypes.c_int, [_VP, ctypes.c_char_p, ctypes.POINTER(_VP)]),
+    ("ucp_rkey_destroy", None, [_VP]),
+    ("ucp_put_nbx", _VP, [_VP, _VP, ctypes.c_size_t, ctypes.c_uint64, _VP, _VP]),
+    ("ucp_ep_flush_nbx", _VP, [_VP, _VP]),
+    ("ucp_request_check_status", ctypes.c_int, [_VP]),
+    ("ucp_request_free", None, [_VP]),
+]
+
+
+@cache
+def libucp() -> ctypes.CDLL:
+    """libucp as ucxx loaded it (the copy in its wheel's tree first), its signatures set."""
+    import ucxx
+
+    root = os.path.dirname(os.path.dirname(ucxx.__file__))
+    found = sorted(glob.glob(os.path.join(root, "**", "libucp.so*"), recursive=True))
+    lib = ctypes.CDLL(found[0] if found else "libucp.so")
+    for name, res, args in _SIGNATURES:
+        fn = getattr(lib, name)  # AttributeError: a libucp without RMA
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+def available() -> str | None:
+    """None when one-sided writes can be made here, else why not."""
+    try:
+        libucp()
+    except (ImportError, OSError, AttributeError) as e:
+        return f"libucp RMA unavailable: {e}"
+    return None
+
+
+def check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"ucx: {what} failed (UCS status {status})")
+
+
+def _status_of(ptr: int | None) -> int | None:
+    """A ucs_status_ptr_t: its status when it is one (0: done at once), None for a request."""
+    if not ptr:
+        return 0
+    signed = ctypes.c_int64(ptr).value
+    return signed if ERR_LAST < signed < 0 else None
+
+
+def _context() -> int:
+    from ucxx import core
+
+    return int(core._ctx.context.handle)
+
+
+class PoolMapping:
+    """The receiver's pool mapped for remote writes; `info` is what a sender needs."""
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        lib, self._ctx = libucp(), _context()
+        nbytes = pool.numel() * pool.element_size()
+        params = _MemMapParams(MAP_ADDRESS | MAP_LENGTH | MAP_MEMORY_TYPE, pool.data_ptr(),
+                               nbytes, 0, 0, MEMORY_CUDA if pool.is_cuda else MEMORY_HOST,
+                               None)
+        self._memh = _VP()
+        check(lib.ucp_mem_map(self._ctx, ctypes.byref(params), ctypes.byref(self._memh)),
+              "ucp_mem_map of the pool")
+        buf, size = _VP(), ctypes.c_size_t()
+        try:
+            check(lib.ucp_rkey_pack(self._ctx, self._memh, ctypes.byref(buf),
+                                    ctypes.byref(size)), "ucp_rkey_pack")
+        except RuntimeError:
+            self.close()
+            raise
+        rkey = ctypes.string_at(buf, size.value)
+        lib.ucp_rkey_buffer_release(buf)
+        self.info = {"rkey": rkey.hex(), "base": int(pool.data_ptr()),
+                     "num_pages": int(pool.shape[0]),
+                     "page_bytes": int(pool[0].numel() * pool.element_size())}
+
+    def close(self) -> None:
+        if self._memh:
+            check(libucp().ucp_mem_unmap(self._ctx, self._memh), "ucp_mem_unmap")
+            self._memh = _VP()
+
+
+class RemoteKey:
+    """A receiver's packed key unpacked on one endpoint (valid while the endpoint lives)."""
+
+    def __init__(self, ep: Any, rkey_hex: str) -> None:
+        self.ep = int(ep._ep.handle)
+        self._key = _VP()
+        check(libucp().ucp_ep_rkey_unpack(self.ep, bytes.fromhex(rkey_hex),
+                                          ctypes.byref(self._key)), "ucp_ep_rkey_unpack")
+
+    def put(self, local: int, nbytes: int, remote: int) -> None:
+        """Start one write of `nbytes` from local address `local` to the remote `remote`; a
+        later `flush` says when it landed."""
+        status = _status_of(ptr := libucp().ucp_put_nbx(self.ep, local, nbytes, remote,
+                                                        self._key, _NO_PARAMS))
+        if status is None:
+            libucp().ucp_request_free(ptr)  # UCX completes it and releases it then
+        else:
+            check(status, "ucp_put_nbx")
+
+    def flush(self) -> Request:
+        """The endpoint's flush: done once every write started before it has landed."""
+        return Request(libucp().ucp_ep_flush_nbx(self.ep, _NO_PARAMS), "ucp_ep_flush_nbx")
+
+    def close(self) -> None:
+        if self._key:
+            libucp().ucp_rkey_destroy(self._key)
+            self._key = _VP()
+
+
+class Request:
+    """An operation's status pointer: poll `done()` (raises on failure) until True."""
+
+    def __init__(self, ptr: int | None, what: str) -> None:
+        self._ptr, self._what = ptr, what
+        status = _status_of(ptr)
+        self._done = status is not None
+        if status is not None:
+            check(status, what)
+
+    def done(self) -> bool:
+        if self._done:
+            return True
+        lib = libucp()
+        status = lib.ucp_request_check_status(self._ptr)
+        if status == UCS_INPROGRESS:
+            return False
+        lib.ucp_request_free(self._ptr)
+        self._done = True
+        check(status, self._what)
+        return True
+
+    def release(self) -> None:
+        """Give up on it (a timeout): UCX frees the request once it completes."""
+        if not self._done:
+            libucp().ucp_request_free(self._ptr)
+            self._done = True
