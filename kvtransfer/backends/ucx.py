@@ -35,6 +35,7 @@ import asyncio
 import logging
 import threading
 from concurrent.futures import Future
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -158,31 +159,29 @@ class UcxEngine(TransferEngine):
 
     def connect(self, peer: str, peer_info: dict[str, Any]) -> Future:
         """The endpoint, then a warm-up on the engine's loop; the returned future says when.
-        One-sided: an empty warm-up frame and one put (`PutSender.warm`). Two-sided: one
-        warm-up message from each staging buffer and from the pool, which only reads the
-        buffers (a gather for another peer meanwhile changes nothing the receiver keeps)."""
+        One-sided: one put (`PutSender.warm`) and an empty warm-up frame. Staged (also where
+        that put failed): one warm-up message from each staging buffer and from the pool,
+        which only reads the buffers (a gather for another peer meanwhile changes nothing the
+        receiver keeps)."""
         pool = self.region("kv")
-        puts = self._puts.wanted(pool, peer_info)
-        warm: list[torch.Tensor] = []
-        if not puts:
-            fits = _fits(pool, peer_info) // (pool[0].numel() * pool.element_size())
-            warm = [*(self._staging(pool, b, 1)[:fits] for b in range(IN_FLIGHT)), pool[:1]]
-            warm_copies(pool, warm[0])
+        puts = self._puts.wanted(peer, pool, peer_info)  # a page size that differs: raises
+        warm = [] if puts else self._staged_warm(pool, peer_info)
 
         async def _warm() -> None:
             async with self._sending.setdefault(peer, asyncio.Lock()):
-                await _warm_locked()
+                await _warm_locked(warm)
 
-        async def _warm_locked() -> None:
+        async def _warm_locked(warm: list[torch.Tensor]) -> None:
             ep = await self._endpoint(peer, peer_info)
             with hot():
+                await self._puts.warm(peer, pool, peer_info)
+                if puts and not self._puts.wanted(peer, pool, peer_info):  # the put failed
+                    warm = self._staged_warm(pool, peer_info)
                 sizes = [t.numel() * t.element_size() for t in warm] or [0]
                 for msg in pack([WARM + n.to_bytes(8, "little") for n in sizes]):
                     await ep.send(msg)
                 for t in warm:
                     await ep.send(_buf(t), tag=self._tag(peer))
-                if puts:
-                    await self._puts.warm(peer, pool, peer_info)
 
         async def _go() -> None:
             try:
@@ -193,12 +192,20 @@ class UcxEngine(TransferEngine):
 
         return asyncio.run_coroutine_threadsafe(_go(), self._loop)
 
+    def _staged_warm(self, pool: torch.Tensor, peer_info: dict[str, Any]) -> list[torch.Tensor]:
+        """What a staged connection's warm-up sends: a message from each buffer it uses."""
+        fits = _fits(pool, peer_info) // (pool[0].numel() * pool.element_size())
+        warm = [*(self._staging(pool, b, 1)[:fits] for b in range(IN_FLIGHT)), pool[:1]]
+        with torch.cuda.device(pool.device) if pool.is_cuda else nullcontext():
+            warm_copies(pool, warm[0])
+        return warm
+
     def write(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> None:
         """The chunk sent by one coroutine on the engine's loop: put one-sided where the peer
         offers it (`_put_locked`), else cut into pieces (`_send`); this thread only cuts the
         chunk and waits, so no piece waits for a hand-over between threads."""
         pool = self.region("kv")
-        if self._puts.wanted(pool, peer_info):
+        if self._puts.wanted(peer, pool, peer_info):
             if pool.is_cuda:
                 torch.cuda.current_stream(pool.device).synchronize()  # the pages are written
             self._wait(peer, asyncio.run_coroutine_threadsafe(

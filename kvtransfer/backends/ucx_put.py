@@ -51,23 +51,33 @@ class PutSender:
     def __init__(self, timeout_s: float) -> None:
         self._timeout = timeout_s
         self._keys: dict[str, ucp_rma.RemoteKey] = {}
+        self._refused: set[str] = set()  # peers whose key or first put failed: staged
 
-    @staticmethod
-    def wanted(pool: torch.Tensor, peer_info: dict[str, Any]) -> bool:
-        """Whether chunks to this peer go one-sided: it announced a key for pages of our size."""
+    def wanted(self, peer: str, pool: torch.Tensor, peer_info: dict[str, Any]) -> bool:
+        """Whether chunks to this peer go one-sided: it announced a key for pages of our size
+        and neither unpacking it nor the warm-up put failed."""
         rma = peer_info.get("rma")
-        if not rma:
+        if not rma or peer in self._refused:
             return False
         page = pool[0].numel() * pool.element_size()
         if int(rma["page_bytes"]) != page:
             raise ValueError(f"page_bytes: the peer's pool has {rma['page_bytes']}, ours {page}")
         return True
 
+    def refuse(self, peer: str, why: Exception) -> None:
+        """Staged messages to this peer from now on (UCX found no way to put there)."""
+        log.warning("ucx: puts to %s failed (%s): staged messages instead", peer, why)
+        self.forget(peer)
+        self._refused.add(peer)
+
     def attach(self, peer: str, ep: Any, peer_info: dict[str, Any]) -> None:
         """The peer's key unpacked on its (new) endpoint."""
         self.forget(peer)
-        if peer_info.get("rma"):
-            self._keys[peer] = ucp_rma.RemoteKey(ep, peer_info["rma"]["rkey"])
+        if peer_info.get("rma") and peer not in self._refused:
+            try:
+                self._keys[peer] = ucp_rma.RemoteKey(ep, peer_info["rma"]["rkey"])
+            except RuntimeError as e:
+                self.refuse(peer, e)
 
     def forget(self, peer: str) -> None:
         """Before the peer's endpoint closes."""
@@ -81,9 +91,15 @@ class PutSender:
 
     async def warm(self, peer: str, pool: torch.Tensor, peer_info: dict[str, Any]) -> None:
         """One put of our page 0 into the peer's (the page no request uses), so that UCX's
-        registrations and, on GPUs, the IPC mapping of the peer's pool are made now."""
+        registrations and, on GPUs, the IPC mapping of the peer's pool are made now; where it
+        fails, the peer is refused (staged messages)."""
+        if peer not in self._keys:
+            return
         page = pool[0].numel() * pool.element_size()
-        await self._put_runs(peer, [(pool.data_ptr(), page, int(peer_info["rma"]["base"]))])
+        try:
+            await self._put_runs(peer, [(pool.data_ptr(), page, int(peer_info["rma"]["base"]))])
+        except RuntimeError as e:
+            self.refuse(peer, e)
 
     async def write(self, peer: str, ep: Any, pool: torch.Tensor, peer_info: dict[str, Any],
                     header: ChunkHeader) -> None:

@@ -4,7 +4,8 @@ alternating staging buffers, runs sent straight from the pool) arrives bit-exact
 receive buffers smaller than the sender's messages would be; the connection to decode exists
 once the handshake is done, before any page is sent; and an idle receiver does not spin. Its
 one-sided path (the default): scattered pages and runs put straight into decode's pool arrive
-bit-exact, nothing else of the pool is written, and the remote key is made at handshake."""
+bit-exact, nothing else of the pool is written, and the remote key is made at handshake; a
+peer that UCX cannot put to gets staged messages."""
 
 from __future__ import annotations
 
@@ -13,23 +14,31 @@ import torch
 
 from pdserve.bench.kv_peer import PeerProcess, PoolSpec, make_pool, page_checksum, wait_for
 from pdserve.kvtransfer import AuxData, KVManager, KVPoll, TransferConfig
-from pdserve.kvtransfer.backends import importable
+from pdserve.kvtransfer.backends import importable, ucp_rma
 
 pytestmark = pytest.mark.skipif(not importable("ucx"), reason="ucxx is not installed")
 
 SPEC = PoolSpec(num_pages=64, num_layers=3, page_size=4, num_kv_heads=2, head_dim=8)
 
 
-@pytest.mark.parametrize("puts,prefill_pages,decode_pages", [
-    (False, 3, 3), (False, 5, 2), (True, 3, 3)])
+def _put_fails(*_: object) -> None:
+    raise RuntimeError("ucx: ucp_put_nbx failed (UCS status -3)")
+
+
+@pytest.mark.parametrize("mode,prefill_pages,decode_pages", [
+    ("staged", 3, 3), ("staged", 5, 2), ("puts", 3, 3), ("put refused", 3, 3)])
 def test_pages_arrive_bit_exact_on_a_connection_made_at_handshake(
-        puts: bool, prefill_pages: int, decode_pages: int,
+        mode: str, prefill_pages: int, decode_pages: int,
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Staged (the decode process offers no puts): a few pages per message, so each chunk below
     # crosses several messages and both buffers; where decode's receive buffers are smaller
     # than prefill's messages would be, prefill cuts its messages (and its warm-up) to what
-    # decode announced. One-sided: a put per run of pages, straight into decode's pool.
-    monkeypatch.setenv("PDSERVE_UCX_RMA", "1" if puts else "0")
+    # decode announced. One-sided: a put per run of pages, straight into decode's pool. Where
+    # UCX refuses the handshake's put (no transport can reach the peer's memory), staged.
+    monkeypatch.setenv("PDSERVE_UCX_RMA", "0" if mode == "staged" else "1")
+    if mode == "put refused":
+        monkeypatch.setattr(ucp_rma.RemoteKey, "put", _put_fails)  # in this (prefill) process
+    puts = mode == "puts"
     cfg = TransferConfig(backend="ucx", stage_bytes=prefill_pages * SPEC.page_bytes,
                          heartbeat_interval_s=0.2, heartbeat_misses=5)
     decode = PeerProcess("decode", SPEC, TransferConfig(
@@ -47,7 +56,7 @@ def test_pages_arrive_bit_exact_on_a_connection_made_at_handshake(
         eng = pmgr._prefill.xfer.engine("ucx")  # type: ignore[union-attr]
         assert eng is not None and list(eng._eps) == [s.peer.hex()]  # type: ignore[union-attr]
         # one-sided: the remote key is unpacked on that endpoint, before any page is sent
-        assert ("rma" in s.peer_info) == puts
+        assert ("rma" in s.peer_info) == (mode != "staged")
         assert list(eng._puts._keys) == ([s.peer.hex()] if puts else [])  # type: ignore
         s.send(src[:8], 0, False)  # one run
         s.send(src[8:13], 8, False)  # scattered
