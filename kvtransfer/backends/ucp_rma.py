@@ -11,9 +11,10 @@ libucp directly through ctypes:
   `ucp_put_nbx` per run of pages, its request released at once) and `flush`
   (`ucp_ep_flush_nbx`: done once every put of the endpoint has landed at the receiver).
 
-ucxx's progress thread progresses the worker, so a request is only polled here
-(`Request.done`). Loading fails with a clear error where libucp or a symbol is missing
-(`available()` says whether it works here).
+A request is polled here (`Request.done`), progressing the worker as it does: ucxx's
+progress thread sleeps until the worker's next event, which a put's completion may not raise.
+Loading fails with a clear error where libucp or a symbol is missing (`available()` says
+whether it works here).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ _SIGNATURES = [
     ("ucp_ep_flush_nbx", _VP, [_VP, _VP]),
     ("ucp_request_check_status", ctypes.c_int, [_VP]),
     ("ucp_request_free", None, [_VP]),
+    ("ucp_worker_progress", ctypes.c_uint, [_VP]),
 ]
 
 
@@ -98,6 +100,12 @@ def _context() -> int:
     from ucxx import core
 
     return int(core._ctx.context.handle)
+
+
+def _worker() -> int:
+    from ucxx import core
+
+    return int(core._ctx.worker.handle)
 
 
 class PoolMapping:
@@ -171,9 +179,12 @@ class Request:
             check(status, what)
 
     def done(self) -> bool:
+        """Progresses the worker once (as ucxx's progress thread does; it may be asleep until
+        the worker's next event), then checks."""
         if self._done:
             return True
         lib = libucp()
+        lib.ucp_worker_progress(_worker())
         status = lib.ucp_request_check_status(self._ptr)
         if status == UCS_INPROGRESS:
             return False
