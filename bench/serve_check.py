@@ -17,6 +17,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 import urllib.parse
 
@@ -59,8 +60,18 @@ def _stdlib_one(url: str, body_file: str, out_file: str) -> tuple[float, int]:
 
 
 def independent_check(url: str, w: Workload, seed: int, out_dir: str) -> dict:
-    work = os.path.join(out_dir, f"check-{w.name}")
-    os.makedirs(work, exist_ok=True)
+    """The workload run by the other client. Its request bodies and streams live in a
+    temporary folder (hundreds of files would crowd out `out_dir`'s results on the GPU
+    machine, whose returned files are capped); the first stream is kept in `out_dir`."""
+    with tempfile.TemporaryDirectory(prefix=f"check-{w.name}-") as work:
+        out = _check_in(url, w, seed, work)
+        first = os.path.join(work, "out-0.txt")
+        if os.path.exists(first):
+            shutil.copyfile(first, os.path.join(out_dir, f"check-{w.name}-stream-0.txt"))
+    return out
+
+
+def _check_in(url: str, w: Workload, seed: int, work: str) -> dict:
     files = []
     for i, ids in enumerate(prompts(w, seed)):
         body = {"prompt": ids, "max_tokens": w.output_len, "temperature": 0.0,

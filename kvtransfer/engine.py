@@ -11,6 +11,7 @@ same-host channel to the receiver (`notify()`), else over the control channel.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -21,7 +22,9 @@ import torch
 from pdserve.kvtransfer.chunk_header import ChunkHeader
 from pdserve.kvtransfer.lanes import Part
 
-__all__ = ["ChunkHeader", "ReceiveHandler", "TransferEngine"]
+log = logging.getLogger("pdserve.kvtransfer")
+
+__all__ = ["ChunkHeader", "ReceiveHandler", "TransferEngine", "count_landed"]
 
 
 class ReceiveHandler(Protocol):
@@ -32,6 +35,18 @@ class ReceiveHandler(Protocol):
         the arrival and return True. Invalid or late chunks are dropped (write is never called).
         Validation, write and bookkeeping happen under the room's lock, so once a room is seen
         Failed nothing writes its pages any more."""
+
+
+def count_landed(handler: ReceiveHandler | None, name: str, header: bytes) -> None:
+    """Receiver of a one-sided engine whose notification comes once the bytes are in place:
+    the header's checks and the count remain (a malformed header is dropped and logged)."""
+    try:
+        h = ChunkHeader.from_bytes(header)
+    except ValueError as e:
+        log.warning("%s: malformed chunk notification dropped: %s", name, e)
+        return
+    if handler is not None:
+        handler.place_chunk(name, h, None, lambda views: None)
 
 
 class TransferEngine(ABC):

@@ -81,6 +81,11 @@ class Envs:
     flashinfer_decode: bool = _switch(
         "PDSERVE_FLASHINFER_DECODE", False, _flag,
         "the flashinfer backend runs every decode batch with FlashInfer, never our Triton kernels")
+    # KV transfer.
+    ucx_rma: bool = _switch(
+        "PDSERVE_UCX_RMA", True, _flag,
+        "a decode worker's ucx engine maps its pool for one-sided puts; off: its prefill peers "
+        "send staged tagged messages (kvtransfer/backends/ucx_put.py)")
     # Diagnostics and storage.
     kv_trace: bool = _switch(
         "PDSERVE_KV_TRACE", False, _flag,

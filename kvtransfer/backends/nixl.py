@@ -30,7 +30,7 @@ import torch
 from pdserve.kvtransfer.backends.nixl_lib import WARMUP, NotifPoller, new_agent
 from pdserve.kvtransfer.chunk_header import ChunkHeader
 from pdserve.kvtransfer.descriptors import check_runs, coalesce
-from pdserve.kvtransfer.engine import ReceiveHandler, TransferEngine
+from pdserve.kvtransfer.engine import ReceiveHandler, TransferEngine, count_landed
 
 log = logging.getLogger("pdserve.kvtransfer")
 
@@ -92,15 +92,8 @@ class NixlEngine(TransferEngine):
         return {"agent": self._agent.name, "md": md, **self._local}
 
     def deliver(self, header: bytes, token: bytes = b"") -> None:
-        if header == WARMUP:
-            return
-        try:
-            h = ChunkHeader.from_bytes(header)
-        except ValueError as e:
-            log.warning("nixl: malformed chunk notification dropped: %s", e)
-            return
-        if self._handler is not None:  # the bytes are in place: only the checks remain
-            self._handler.place_chunk("nixl", h, None, lambda views: None)
+        if header != WARMUP:  # the bytes are in place: only the checks remain
+            count_landed(self._handler, "nixl", header)
 
     # -- sending --------------------------------------------------------------------------
     def connect(self, peer: str, peer_info: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
 """`ucx` backend over ucxx (UCX picks cuda_ipc/NVLink, RDMA, shm or TCP).
 
 Where the receiver maps its pool for remote writes (the default), a chunk's pages are put
-one-sided from the sender's pool into the receiver's and its header follows (ucx_put.py).
+one-sided from the sender's pool into the receiver's by the transfer thread, and its header
+follows over the control channel (ucx_put.py).
 
 Otherwise (`PDSERVE_UCX_RMA=0` on the receiver, or a libucp without RMA) it moves as tagged
 messages, each costing tens of microseconds on the host and about a millisecond of latency
@@ -23,8 +24,8 @@ up front), so that UCX's endpoint wire-up, its registration caches and, on GPUs,
 mappings are in place before the first room.
 Threads: the process's one ucx loop thread (ucx_loop.py: ucxx initialised there with Python
 futures, so an idle loop sleeps instead of spinning, and polling completions itself while a
-transfer is under way) owns every ucxx object and does all of a transfer's work (puts,
-gathers, sends; receives, scatters); write() runs on the caller's transfer thread, cuts the
+transfer is under way) owns every ucxx object and does all of a staged transfer's work
+(gathers, sends; receives, scatters); write() runs on the caller's transfer thread, cuts the
 chunk into pieces and waits for the one coroutine that sends them, so a chunk's pieces never
 change threads.
 """
@@ -56,7 +57,7 @@ from pdserve.kvtransfer.backends.ucx_put import PutSender, offer
 from pdserve.kvtransfer.backends.ucx_recv import WARM, serve
 from pdserve.kvtransfer.backends.ucx_recv import as_ucx as _buf
 from pdserve.kvtransfer.descriptors import NUM, SRC, run_pages
-from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine
+from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler, TransferEngine, count_landed
 from pdserve.kvtransfer.trace import stamp
 
 log = logging.getLogger("pdserve.kvtransfer")
@@ -71,7 +72,7 @@ def _fits(pool: torch.Tensor, peer_info: dict[str, Any]) -> int:
 
 class UcxEngine(TransferEngine):
     name = "ucx"
-    one_sided = True  # where the receiver offers puts; their header travels with write()
+    one_sided = True  # where the receiver offers puts (notify() says which chunks)
 
     def __init__(self, host: str = "127.0.0.1", send_timeout_s: float = 30.0,
                  stage_bytes: int = 0, **_: Any) -> None:
@@ -98,6 +99,7 @@ class UcxEngine(TransferEngine):
         self._puts = PutSender(send_timeout_s)  # sender: one-sided writes (loop thread only)
         self._mapping: Any = None  # receiver: its pool mapped for them
         self._rma: dict[str, Any] = {}  # receiver: what its start_receiver info says of it
+        self._handler: ReceiveHandler | None = None
 
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -105,6 +107,7 @@ class UcxEngine(TransferEngine):
     # -- receiving (ucx_recv.py) ---------------------------------------------------------
     def start_receiver(self, handler: ReceiveHandler) -> dict[str, Any]:
         nbytes = piece_bytes(self.region("kv"), self._stage_bytes)
+        self._handler = handler
         if self._listener is None:
             async def _on_connect(ep: Any) -> None:
                 self._recv_eps.append(ep)
@@ -174,7 +177,7 @@ class UcxEngine(TransferEngine):
         async def _warm_locked(warm: list[torch.Tensor]) -> None:
             ep = await self._endpoint(peer, peer_info)
             with hot():
-                await self._puts.warm(peer, pool, peer_info)
+                self._puts.warm(peer, pool, peer_info)  # blocks the loop for one flush
                 if puts and not self._puts.wanted(peer, pool, peer_info):  # the put failed
                     warm = self._staged_warm(pool, peer_info)
                 sizes = [t.numel() * t.element_size() for t in warm] or [0]
@@ -201,15 +204,22 @@ class UcxEngine(TransferEngine):
         return warm
 
     def write(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> None:
-        """The chunk sent by one coroutine on the engine's loop: put one-sided where the peer
-        offers it (`_put_locked`), else cut into pieces (`_send`); this thread only cuts the
-        chunk and waits, so no piece waits for a hand-over between threads."""
+        """One-sided where the peer offers it: put from this thread (`PutSender.write`).
+        Staged: cut into pieces sent by one coroutine on the engine's loop (`_send`); this
+        thread only cuts the chunk and waits, so no piece waits for a hand-over between
+        threads."""
         pool = self.region("kv")
-        if self._puts.wanted(peer, pool, peer_info):
+        if self._puts.wanted(peer, pool, peer_info) and not self._puts.has_key(peer):
+            self._wait(peer, asyncio.run_coroutine_threadsafe(  # write connects on its own
+                self._ensure_endpoint(peer, peer_info), self._loop))
+        if self._puts.wanted(peer, pool, peer_info):  # (unpacking the key may have failed)
             if pool.is_cuda:
                 torch.cuda.current_stream(pool.device).synchronize()  # the pages are written
-            self._wait(peer, asyncio.run_coroutine_threadsafe(
-                self._put_locked(peer, peer_info, pool, header), self._loop))
+            try:
+                self._puts.write(peer, pool, peer_info, header)
+            except BaseException:
+                self.drop_peer(peer)  # a put may still be in flight: start afresh
+                raise
             return
         page_bytes = pool[0].numel() * pool.element_size()
         total = int(header.descs[:, NUM].sum()) * page_bytes
@@ -236,15 +246,16 @@ class UcxEngine(TransferEngine):
             raise
 
     def notify(self, peer: str, peer_info: dict[str, Any], header: ChunkHeader) -> bool:
-        return True  # a put chunk's header went with write(); a two-sided one is its message
+        """Put chunks: False, so the manager sends the header over the control channel (from
+        this thread; the receiver counts it in `deliver`). A staged chunk's header went first."""
+        return not self._puts.wanted(peer, self.region("kv"), peer_info)
 
-    async def _put_locked(self, peer: str, info: dict[str, Any], pool: torch.Tensor,
-                          header: ChunkHeader) -> None:
+    def deliver(self, header: bytes, token: bytes = b"") -> None:
+        count_landed(self._handler, self.name, header)
+
+    async def _ensure_endpoint(self, peer: str, info: dict[str, Any]) -> None:
         async with self._sending.setdefault(peer, asyncio.Lock()):
-            with hot():
-                stamp("looped", header.room)
-                ep = await self._endpoint(peer, info)
-                await self._puts.write(peer, ep, pool, info, header)
+            await self._endpoint(peer, info)
 
     async def _send_locked(self, peer: str, info: dict[str, Any], pool: torch.Tensor,
                            pieces: list[ChunkHeader], first: torch.Tensor | None) -> None:

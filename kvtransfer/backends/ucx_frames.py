@@ -17,7 +17,6 @@ import struct
 FRAME_BYTES = 64 << 10
 MAX_BODY_BYTES = 256 << 20  # an announced body larger than this is refused
 BIG = b"PDKVBIG!"
-PUT = b"PDKVPUT!"  # then a chunk header whose pages were written one-sided (ucx_put.py)
 _LEN = struct.Struct("<Q")
 _ITEM = struct.Struct("<I")
 

@@ -7,9 +7,7 @@ in its own progress thread, while the receiver's loop may still be asleep (an id
 through ucxx's notifier thread, a hand-over that otherwise stood between a chunk's header and
 the receive of its payload). The headers then say where each landed payload goes: checked
 against the room and scattered into the destination pages, or dropped (a rejected piece never
-writes the pool). A buffer's next receive is posted once its scatter has run. A PUT item is
-the header of a chunk the sender wrote one-sided (ucx_put.py): it is checked and counted, and
-takes no payload.
+writes the pool). A buffer's next receive is posted once its scatter has run.
 
 The receive buffers are of one size, which the receiver announces (`message_bytes` in its
 start_receiver info); a sender cuts its messages to fit. A header or warm-up announcing more is
@@ -32,7 +30,7 @@ from pdserve.kvtransfer.backends.staging import (
     scatter_index,
     warm_copies,
 )
-from pdserve.kvtransfer.backends.ucx_frames import FRAME_BYTES, PUT, announced, body_of, items
+from pdserve.kvtransfer.backends.ucx_frames import FRAME_BYTES, announced, body_of, items
 from pdserve.kvtransfer.backends.ucx_loop import hot
 from pdserve.kvtransfer.descriptors import NUM
 from pdserve.kvtransfer.engine import ChunkHeader, ReceiveHandler
@@ -126,10 +124,6 @@ class _Endpoint:
                 raise ValueError(f"warm-up of {n} bytes is not whole pages")
             self._fits(n)
             return _Item(None, n, None, None)
-        if msg.startswith(PUT):  # the pages were written one-sided: only the checks remain
-            header = ChunkHeader.from_bytes(msg[len(PUT):])
-            stamp("header", header.room)
-            return _Item(header, 0, None, None)
         header = ChunkHeader.from_bytes(msg)
         stamp("header", header.room)
         nbytes = [n * self._page for n in header.descs[:, NUM].tolist()]
