@@ -5,7 +5,7 @@ handles of its context (`core._ctx.context.handle`) and of each endpoint (`ep._e
 and its worker runs in UCS_THREAD_MODE_MULTI, so the few calls a one-sided write needs go to
 libucp directly through ctypes:
 
-- receiver: `map_pool` (`ucp_mem_map` of the pool, `ucp_rkey_pack`): the packed remote key,
+- receiver: `PoolMapping` (`ucp_mem_map` of the pool, `ucp_rkey_pack`): the packed remote key,
   sent to the sender with the pool's base address;
 - sender: `RemoteKey` (`ucp_ep_rkey_unpack` on the endpoint to the receiver), `put` (one
   `ucp_put_nbx` per run of pages, its request released at once) and `flush`
@@ -143,10 +143,16 @@ class RemoteKey:
     """A receiver's packed key unpacked on one endpoint (valid while the endpoint lives)."""
 
     def __init__(self, ep: Any, rkey_hex: str) -> None:
+        self._endpoint = ep
         self.ep = int(ep._ep.handle)
         self._key = _VP()
         check(libucp().ucp_ep_rkey_unpack(self.ep, bytes.fromhex(rkey_hex),
                                           ctypes.byref(self._key)), "ucp_ep_rkey_unpack")
+
+    @property
+    def closed(self) -> bool:
+        """The endpoint closed (the peer went away): its handle must not be used."""
+        return bool(self._endpoint.closed)
 
     def put(self, local: int, nbytes: int, remote: int) -> None:
         """Start one write of `nbytes` from local address `local` to the remote `remote`; a
@@ -172,7 +178,7 @@ class Request:
     """An operation's status pointer: poll `done()` (raises on failure) until True."""
 
     def __init__(self, ptr: int | None, what: str) -> None:
-        self._ptr, self._what = ptr, what
+        self._ptr, self._what, self._worker = ptr, what, _worker()
         status = _status_of(ptr)
         self._done = status is not None
         if status is not None:
@@ -184,7 +190,7 @@ class Request:
         if self._done:
             return True
         lib = libucp()
-        lib.ucp_worker_progress(_worker())
+        lib.ucp_worker_progress(self._worker)
         status = lib.ucp_request_check_status(self._ptr)
         if status == UCS_INPROGRESS:
             return False

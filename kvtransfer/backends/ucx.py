@@ -96,7 +96,7 @@ class UcxEngine(TransferEngine):
         self._stages: list[torch.Tensor] = []  # sender: IN_FLIGHT staging buffers
         self._ready: list[Any] = []  # sender, GPU: an event after each buffer's gather
         self._copiers: dict = {}  # sender: the gather kernels of the pool into each buffer
-        self._puts = PutSender(send_timeout_s)  # sender: one-sided writes (loop thread only)
+        self._puts = PutSender(send_timeout_s)  # sender: keys on the loop, puts on the caller
         self._mapping: Any = None  # receiver: its pool mapped for them
         self._rma: dict[str, Any] = {}  # receiver: what its start_receiver info says of it
         self._handler: ReceiveHandler | None = None
@@ -113,28 +113,20 @@ class UcxEngine(TransferEngine):
                 self._recv_eps.append(ep)
                 await serve(ep, self.region("kv"), nbytes, handler)
 
-            async def _listen() -> Any:
-                return self._ucxx.create_listener(_on_connect)
+            async def _listen() -> tuple[Any, tuple[Any, dict[str, Any]]]:
+                return self._ucxx.create_listener(_on_connect), offer(self.region("kv"))
 
-            self._listener = self._run(_listen(), 30)
-            self._mapping, self._rma = self._run(self._offer(), 30)
+            self._listener, (self._mapping, self._rma) = self._run(_listen(), 30)
         return {"host": self._host, "port": int(self._listener.port), "message_bytes": nbytes,
                 **self._rma}
-
-    async def _offer(self) -> tuple[Any, dict[str, Any]]:
-        return offer(self.region("kv"))
 
     # -- sending --------------------------------------------------------------------------
     async def _endpoint(self, peer: str, info: dict[str, Any]) -> Any:
         ep = self._eps.get(peer)
         if ep is None or ep.closed:
-            self._puts.forget(peer)
+            self._puts.forget(peer)  # the old endpoint's key, before anything else
             ep = await self._ucxx.create_endpoint(info["host"], int(info["port"]))
-            try:
-                self._puts.attach(peer, ep, info)
-            except BaseException:
-                await ep.close()
-                raise
+            self._puts.attach(peer, ep, info)
             self._eps[peer] = ep
             with self._tags_lock:
                 self._tags[peer] = 0  # a new endpoint: the receiver counts from 0
@@ -209,10 +201,12 @@ class UcxEngine(TransferEngine):
         thread only cuts the chunk and waits, so no piece waits for a hand-over between
         threads."""
         pool = self.region("kv")
-        if self._puts.wanted(peer, pool, peer_info) and not self._puts.has_key(peer):
+        puts = self._puts.wanted(peer, pool, peer_info)
+        if puts and not self._puts.has_key(peer):
             self._wait(peer, asyncio.run_coroutine_threadsafe(  # write connects on its own
                 self._ensure_endpoint(peer, peer_info), self._loop))
-        if self._puts.wanted(peer, pool, peer_info):  # (unpacking the key may have failed)
+            puts = self._puts.wanted(peer, pool, peer_info)  # unpacking the key may fail
+        if puts:
             if pool.is_cuda:
                 torch.cuda.current_stream(pool.device).synchronize()  # the pages are written
             try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import cache
 from typing import Any
 
 import torch
@@ -37,8 +38,9 @@ from pdserve.kvtransfer.trace import stamp
 log = logging.getLogger("pdserve.kvtransfer")
 
 
+@cache
 def receiver_offers() -> bool:
-    """Whether a receiver here maps its pool for one-sided writes."""
+    """Whether a receiver here maps its pool for one-sided writes (the reason logged once)."""
     if not envs().ucx_rma:
         return False
     why = ucp_rma.available()
@@ -78,8 +80,7 @@ class PutSender:
         self._refused.add(peer)
 
     def attach(self, peer: str, ep: Any, peer_info: dict[str, Any]) -> None:
-        """The peer's key unpacked on its (new) endpoint."""
-        self.forget(peer)
+        """The peer's key unpacked on its new endpoint (the old one's forgotten first)."""
         if peer_info.get("rma") and peer not in self._refused:
             try:
                 key = ucp_rma.RemoteKey(ep, peer_info["rma"]["rkey"])
@@ -128,7 +129,7 @@ class PutSender:
     def _put_runs(self, peer: str, runs: list[tuple[int, int, int]]) -> None:
         with self._lock:
             key = self._keys.get(peer)
-            if key is None:
+            if key is None or key.closed:
                 raise RuntimeError(f"ucx: no remote key for peer {peer} (its endpoint closed)")
             for local, nbytes, remote in runs:
                 key.put(local, nbytes, remote)
