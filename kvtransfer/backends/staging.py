@@ -241,12 +241,14 @@ class RecvRing:
         self._pool = pool
         page = pool[0].numel() * pool.element_size()
         self.nbytes = max(1, -(-nbytes // page)) * page
-        self._bufs = [torch.empty(self.nbytes, dtype=torch.uint8, device=pool.device)
-                      for _ in range(IN_FLIGHT)]
+        self._bufs: list[torch.Tensor] = []  # made at the first use (none for one-sided peers)
         self._events: list[torch.cuda.Event | None] = [None] * IN_FLIGHT
         self.copiers: Copiers = {}  # the scatter kernels of the whole buffers into the pool
 
     def buf(self, b: int) -> torch.Tensor:
+        if not self._bufs:
+            self._bufs = [torch.empty(self.nbytes, dtype=torch.uint8, device=self._pool.device)
+                          for _ in range(IN_FLIGHT)]
         return self._bufs[b]
 
     def scattered(self, b: int) -> torch.cuda.Event | None:
@@ -263,4 +265,4 @@ class RecvRing:
 
     def whole(self, b: int) -> torch.Tensor:
         """Buffer b whole, as pages: what a scatter from it reads (one copier per buffer)."""
-        return self.pages(self._bufs[b])
+        return self.pages(self.buf(b))

@@ -1,13 +1,15 @@
 """The ucx backend's receiving side: one task per sender's endpoint.
 
-The receives of the endpoint's next IN_FLIGHT payloads are always posted, each into the ring
-buffer its tag names (tag k: buffer k % IN_FLIGHT), before their headers are read. So a payload
-moves as soon as the sender sends it: UCX matches it to the posted receive and pulls its bytes
-in its own progress thread, while the receiver's loop may still be asleep (an idle loop wakes
-through ucxx's notifier thread, a hand-over that otherwise stood between a chunk's header and
-the receive of its payload). The headers then say where each landed payload goes: checked
-against the room and scattered into the destination pages, or dropped (a rejected piece never
-writes the pool). A buffer's next receive is posted once its scatter has run.
+Once its first payload is announced, the receives of the endpoint's next IN_FLIGHT payloads
+are always posted, each into the ring buffer its tag names (tag k: buffer k % IN_FLIGHT),
+before their headers are read. So a payload moves as soon as the sender sends it: UCX
+matches it to the posted receive and pulls its bytes in its own progress thread, while the
+receiver's loop may still be asleep (an idle loop wakes through ucxx's notifier thread, a
+hand-over that otherwise stood between a chunk's header and the receive of its payload). An
+endpoint whose sender puts one-sided announces no payload, and allocates no ring. The
+headers then say where each landed payload goes: checked against the room and scattered into
+the destination pages, or dropped (a rejected piece never writes the pool). A buffer's next
+receive is posted once its scatter has run.
 
 The receive buffers are of one size, which the receiver announces (`message_bytes` in its
 start_receiver info); a sender cuts its messages to fit. A header or warm-up announcing more is
@@ -95,8 +97,14 @@ class _Endpoint:
         self._page = pool[0].numel() * pool.element_size()
         self._tag = 0  # the next payload's tag (the sender counts alike)
         self._posted: dict[int, asyncio.Future] = {}
-        for t in range(IN_FLIGHT):
-            self._post(t, None)
+
+    def _start(self) -> None:
+        """The first payloads' receives, posted when the first item that carries one is read
+        (a staged sender's warm-up): a sender that puts one-sided sends none, and its
+        endpoint never allocates the ring."""
+        if not self._posted and self._tag == 0:
+            for t in range(IN_FLIGHT):
+                self._post(t, None)
 
     def _post(self, tag: int, after: torch.cuda.Event | None) -> None:
         """The receive of payload `tag` into its buffer, posted once `after` (the scatter that
@@ -122,13 +130,17 @@ class _Endpoint:
             n = int.from_bytes(msg[len(WARM):], "little")
             if n % self._page:
                 raise ValueError(f"warm-up of {n} bytes is not whole pages")
-            self._fits(n)
+            if self._fits(n):
+                self._start()
             return _Item(None, n, None, None)
         header = ChunkHeader.from_bytes(msg)
         stamp("header", header.room)
         nbytes = [n * self._page for n in header.descs[:, NUM].tolist()]
         total = self._fits(sum(nbytes))
-        idx = scatter_index(self._pool, header.descs) if total else None
+        idx = None
+        if total:
+            self._start()
+            idx = scatter_index(self._pool, header.descs)
         return _Item(header, total, nbytes, idx)
 
     def _fits(self, n: int) -> int:
