@@ -21,6 +21,7 @@ import torch
 
 from pdserve.kvtransfer.chunk_header import ChunkHeader
 from pdserve.kvtransfer.lanes import Part
+from pdserve.kvtransfer.trace import stamp
 
 log = logging.getLogger("pdserve.kvtransfer")
 
@@ -45,6 +46,7 @@ def count_landed(handler: ReceiveHandler | None, name: str, header: bytes) -> No
     except ValueError as e:
         log.warning("%s: malformed chunk notification dropped: %s", name, e)
         return
+    stamp("landed", h.room)
     if handler is not None:
         handler.place_chunk(name, h, None, lambda views: None)
 

@@ -17,10 +17,12 @@ from pdserve.envs import envs
 # cuda_ipc write, the last two on its kernel path only). ucx stamps the chunk's start on its
 # loop ("looped") and each piece of it ("issued": its gather launched, "staged": its payload
 # ready to send, "header": its header at the receiver, "received": its payload there,
-# "copied": its scatter launched) and "launched" once every send is done; a room's summary
+# "copied": its scatter launched), or with puts "issued" once each put of the chunk started
+# and "staged" once they landed; then "launched" once every send is done. The receiver of a
+# one-sided engine stamps "landed" as a chunk's notification reaches it. A room's summary
 # takes each stage's first stamp.
 STAGES = ("send", "dequeue", "looped", "mapped", "uploaded", "kernel", "issued", "staged",
-          "header", "launched", "notified", "received", "copied", "success")
+          "header", "launched", "notified", "landed", "received", "copied", "success")
 
 
 def stamp(stage: str, room: int) -> None:

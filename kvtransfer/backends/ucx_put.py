@@ -123,16 +123,18 @@ class PutSender:
         check_runs(runs, int(rma["num_pages"]), int(pool.shape[0]), peer)
         page, base, far = pool[0].numel() * pool.element_size(), pool.data_ptr(), int(rma["base"])
         self._put_runs(peer, [(base + int(s) * page, int(n) * page, far + int(d) * page)
-                              for s, d, n in runs.tolist()])
+                              for s, d, n in runs.tolist()], header.room)
         stamp("staged", header.room)
 
-    def _put_runs(self, peer: str, runs: list[tuple[int, int, int]]) -> None:
+    def _put_runs(self, peer: str, runs: list[tuple[int, int, int]], room: int = -1) -> None:
         with self._lock:
             key = self._keys.get(peer)
             if key is None or key.closed:
                 raise RuntimeError(f"ucx: no remote key for peer {peer} (its endpoint closed)")
             for local, nbytes, remote in runs:
                 key.put(local, nbytes, remote)
+            if room >= 0:  # not the warm-up: the puts' issue, apart from their landing
+                stamp("issued", room)
             req = key.flush()
             deadline = time.monotonic() + self._timeout
             try:
