@@ -5,6 +5,7 @@ from /proc over each workload), then stopped."""
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import resource
@@ -99,9 +100,11 @@ class Cluster:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.url = self.spatial = ""
+        tail: collections.deque[str] = collections.deque(maxlen=5)
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.log.write(line)
+            tail.append(line)
             if line.startswith("pdserve ready"):
                 self.url = line.split()[2]
                 # e.g. spatial=50/50 or spatial=off: what the cluster really ran as
@@ -109,7 +112,9 @@ class Cluster:
                                      if f.startswith("spatial=")), "")
                 break
         if not self.url:
-            raise RuntimeError(f"pdserve up ({topo}) exited {self.proc.wait()} before ready")
+            self.log.close()  # what it said last: why (a worker out of GPU memory, say)
+            raise RuntimeError(f"pdserve up ({topo}) exited {self.proc.wait()} before ready: "
+                               + "".join(tail).strip()[-600:])
         self.ready_s = time.perf_counter() - t0
         self.log.flush()
         threading.Thread(target=self._drain, daemon=True).start()
