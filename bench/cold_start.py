@@ -24,6 +24,8 @@ import time
 
 import httpx
 
+from pdserve.bench.up_ready import exited_before_ready
+
 TOPICS = ("rivers", "bread", "winter", "trains", "bees", "copper", "maps", "violins",
           "salt", "kites", "glass", "owls", "tides", "paper", "lanterns", "deserts",
           "clocks", "ferns", "harbors", "comets", "wool", "bridges", "tea", "caves",
@@ -40,10 +42,12 @@ def start(args: argparse.Namespace, warm: bool) -> tuple[subprocess.Popen, str, 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     assert proc.stdout is not None
+    lines: list[str] = []
     for line in proc.stdout:
         if line.startswith("pdserve ready"):
             return proc, line.split()[2], time.perf_counter() - t0
-    raise RuntimeError(f"pdserve up exited {proc.wait()} before ready")
+        lines = [*lines[-4:], line]
+    raise exited_before_ready("pdserve up", proc.wait(), lines)
 
 
 async def one(http: httpx.AsyncClient, topic: str, index: int, max_tokens: int) -> float:

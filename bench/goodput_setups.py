@@ -21,6 +21,8 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from pdserve.bench.up_ready import exited_before_ready
+
 KINDS = ("spatial", "timesliced", "mixed")
 DEFAULT_RATES: dict[str, tuple[float, ...]] = {
     "spatial": (2, 4, 6, 8, 10, 12, 15),
@@ -145,8 +147,7 @@ class RunningCluster:
         if not self.ready.wait(timeout_s):
             raise RuntimeError(f"pdserve up not ready in {timeout_s:.0f} s (log: {self.log_path})")
         if not self.ready_line:
-            raise RuntimeError(f"pdserve up exited with {self.popen.wait()} before ready: "
-                               + "".join(self.lines[-5:]).strip()[-600:])
+            raise exited_before_ready("pdserve up", self.popen.wait(), self.lines)
 
     def stop(self, timeout_s: float = 60.0) -> int:
         if self.popen.poll() is None:

@@ -16,6 +16,7 @@ import threading
 import time
 
 from pdserve.bench.serve_compare import Workload, bench_args, workload_seed
+from pdserve.bench.up_ready import exited_before_ready
 
 # name: (prefill, decode, mixed workers, extra `pdserve up` flags). pd: the 1P1D pair as
 # `pdserve up` runs it (on one GPU: MPS clients with no SM cap, where MPS works;
@@ -112,9 +113,8 @@ class Cluster:
                                      if f.startswith("spatial=")), "")
                 break
         if not self.url:
-            self.log.close()  # what it said last: why (a worker out of GPU memory, say)
-            raise RuntimeError(f"pdserve up ({topo}) exited {self.proc.wait()} before ready: "
-                               + "".join(tail).strip()[-600:])
+            self.log.close()
+            raise exited_before_ready(f"pdserve up ({topo})", self.proc.wait(), list(tail))
         self.ready_s = time.perf_counter() - t0
         self.log.flush()
         threading.Thread(target=self._drain, daemon=True).start()
