@@ -54,6 +54,7 @@ class DecodeScheduler(Scheduler):
         self.kv = kv_manager
         self.prealloc: deque[DecodeReq] = deque()
         self.transfer: list[DecodeReq] = []
+        self._first: EventSink | None = None  # a sink given a request's first message this step
 
     def add(self, req: DecodeReq) -> None:
         if not req.bootstrap_addr:
@@ -92,6 +93,8 @@ class DecodeScheduler(Scheduler):
         if req.finished:
             req.last_tokens = TokenOutput.last_of(req, unsent)
         elif req.num_streamed == 0 or unsent >= self.stream_interval():
+            if req.num_streamed == 0:
+                self._first = req.sink
             req.sink.put(TokensEvent(TokenOutput.last_of(req, unsent)))
             req.num_streamed += unsent
 
@@ -105,6 +108,8 @@ class DecodeScheduler(Scheduler):
             transfer_ms=(req.t_transferred - req.t_prealloc) * ms if req.t_transferred else 0.0,
             prefill_ms=req.prefill_s * ms,
             decode_ms=(now - start) * ms)
+        if req.num_streamed == 0:  # its first tokens come with the finish
+            self._first = req.sink
         req.sink.put(FinishEvent(req.finish_reason or "abort", req.last_tokens,
                                  len(req.input_ids), len(req.output_ids), req.cached_tokens,
                                  timings))
@@ -112,9 +117,16 @@ class DecodeScheduler(Scheduler):
     # ---- one iteration -----------------------------------------------------------------------
 
     def step(self):
+        """One iteration; a step that gave a request its first message ends by handing the
+        loop its events (EventPump.hand_over: with the overlap schedule the GPU runs the next
+        step meanwhile)."""
         self._admit_prealloc()
         self._poll_transfer()
-        return super().step()
+        mode = super().step()
+        if self._first is not None:
+            sink, self._first = self._first, None
+            sink.hand_over()
+        return mode
 
     def _reserve_tokens(self) -> int:
         return self.config.decode_reserve_tokens * (len(self.running) + len(self.transfer))

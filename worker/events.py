@@ -10,6 +10,11 @@ one event per running request, and waking the loop once per event (a syscall and
 each, while the scheduler holds the GIL) would cost the step more than the events themselves.
 A request's handler takes every event that arrived since it last looked (`get_batch`), so when
 it falls behind, its tokens leave in fewer, larger messages; in order, none dropped.
+
+A request's first token is handed over (`hand_over`): the scheduler thread waits, the GIL
+released, until the loop has taken what was posted. Otherwise the loop, woken, waits for the GIL
+while the scheduler prepares its next step or a transfer thread sends the prompt's KV, up to the
+switch interval (0.5 ms in a worker, pdserve/pauses.py) before the token moves on.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve.engine.req import Req
+
+HAND_OVER_S = 0.001  # the longest a first token's hand-over holds the scheduler thread
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,10 @@ class EventSink(Protocol):
 
     def put(self, event: WorkerEvent) -> None: ...
 
+    def hand_over(self) -> None:
+        """Wait briefly (GIL released) until the loop has taken what was put: after a first
+        token."""
+
 
 class EventPump:
     """Carries events from the scheduler thread to one asyncio loop: whatever was posted before
@@ -116,6 +127,8 @@ class EventPump:
         self._lock = threading.Lock()
         self._pending: list[tuple[ReqChannel, WorkerEvent]] = []
         self._scheduled = False
+        self._taken = threading.Event()  # clear while a flush is scheduled and has not run
+        self._taken.set()
 
     def post(self, channel: ReqChannel, event: WorkerEvent) -> None:
         with self._lock:
@@ -123,10 +136,18 @@ class EventPump:
             if self._scheduled:
                 return
             self._scheduled = True
+            self._taken.clear()
         try:
             self.loop.call_soon_threadsafe(self._flush)
         except RuntimeError:  # the loop is gone (shutdown): nobody is listening
-            pass
+            with self._lock:
+                self._taken.set()
+
+    def hand_over(self, timeout_s: float = HAND_OVER_S) -> None:
+        """On the posting thread: until the loop has run the flush of what was posted (at
+        most `timeout_s`), so that it holds the GIL for the handlers' work instead of waiting
+        for it."""
+        self._taken.wait(timeout_s)
 
     def _flush(self) -> None:
         with self._lock:
@@ -134,6 +155,9 @@ class EventPump:
             self._scheduled = False
         for channel, event in items:
             channel.deliver(event)
+        with self._lock:
+            if not self._scheduled:  # no later post scheduled another flush meanwhile
+                self._taken.set()
 
 
 class ReqChannel:
@@ -151,6 +175,9 @@ class ReqChannel:
         if isinstance(event, _FINAL):
             self.closed = True
         self.pump.post(self, event)
+
+    def hand_over(self) -> None:
+        self.pump.hand_over()
 
     def deliver(self, event: WorkerEvent) -> None:
         """On the loop: queue the event and wake the handler."""
