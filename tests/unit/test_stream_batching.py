@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 from fixtures.tiny_model import write_tokenizer
@@ -154,6 +155,39 @@ async def test_events_cross_threads_in_order_in_batches() -> None:
     thread.join()
     assert got == [list(range(50))] * 8
     assert flushes < 400  # far fewer wake-ups than events
+
+
+async def test_hand_over_waits_for_the_loop_to_take_the_events() -> None:
+    """A first token's hand-over returns once the loop has delivered what was posted (the
+    scheduler thread blocked meanwhile); with nothing pending it returns at once; a loop that
+    does not run costs the poster at most the timeout."""
+    loop = asyncio.get_running_loop()
+    pump = EventPump(loop)
+    chan = ReqChannel(pump)
+    seen: list[tuple[int, float]] = []  # (events delivered when hand_over returned, seconds)
+
+    def scheduler(timeout_s: float) -> None:
+        t0 = time.perf_counter()
+        pump.hand_over(timeout_s)  # nothing posted
+        assert time.perf_counter() - t0 < 0.05
+        chan.put(TokensEvent(TokenOutput([1])))
+        t0 = time.perf_counter()
+        pump.hand_over(timeout_s)
+        seen.append((len(chan._items), time.perf_counter() - t0))
+
+    thread = threading.Thread(target=scheduler, args=(5.0,))
+    thread.start()
+    while thread.is_alive():
+        await asyncio.sleep(0.001)
+    assert seen[0][0] == 1 and seen[0][1] < 5.0  # delivered before the wait ended
+    assert (await chan.get_batch())[0].tokens.token_ids == [1]
+
+    seen.clear()
+    thread = threading.Thread(target=scheduler, args=(0.05,))
+    thread.start()
+    thread.join()  # the loop is held here: the flush cannot run
+    assert seen[0][0] == 0 and 0.04 < seen[0][1] < 1.0
+    assert (await chan.get_batch())[0].tokens.token_ids == [1]  # still delivered, later
 
 
 def test_token_outputs_concatenate() -> None:
