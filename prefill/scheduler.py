@@ -125,9 +125,8 @@ class PrefillScheduler(Scheduler):
         self._hand_over(req, aux)
 
     def _hand_over(self, req: PrefillReq, aux: AuxData) -> None:
-        """Answer the RPC (with the first token, which the router streams at once; handed over
-        to the loop before the transfer thread, woken by the send, competes for the GIL),
-        then send the request's (remaining) pages with the aux data."""
+        """Answer the RPC (with the first token, which the router streams at once), then send
+        the request's (remaining) pages with the aux data."""
         ms = 1000.0
         timings = StageTimes(
             bootstrap_ms=(req.t_ready - req.t_bootstrap) * ms,
@@ -135,7 +134,6 @@ class PrefillScheduler(Scheduler):
             prefill_ms=req.prefill_s * ms)
         req.sink.put(PrefilledEvent(req.cached_tokens, req.finish_reason or "", timings,
                                     TokenOutput.last_of(req, 1)))
-        req.sink.hand_over()
         self._send_pages(req, last=True, aux=aux)
         self.inflight.append(req)
 

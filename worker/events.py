@@ -11,10 +11,10 @@ each, while the scheduler holds the GIL) would cost the step more than the event
 A request's handler takes every event that arrived since it last looked (`get_batch`), so when
 it falls behind, its tokens leave in fewer, larger messages; in order, none dropped.
 
-A request's first token is handed over (`hand_over`): the scheduler thread waits, the GIL
-released, until the loop has taken what was posted. Otherwise the loop, woken, waits for the GIL
-while the scheduler prepares its next step or a transfer thread sends the prompt's KV, up to the
-switch interval (0.5 ms in a worker, pdserve/pauses.py) before the token moves on.
+A request's first message is handed over (`hand_over`, decode/scheduler.py): the scheduler
+thread waits, the GIL released, until the loop has taken what was posted. Otherwise the loop,
+woken, waits for the GIL while the scheduler prepares its next step, up to the switch interval
+(0.5 ms in a worker, pdserve/pauses.py) before the token moves on.
 """
 
 from __future__ import annotations

@@ -72,9 +72,6 @@ class Sink:
     def put(self, event: object) -> None:
         self.events.append(event)
 
-    def hand_over(self) -> None:
-        pass
-
 
 @pytest.fixture(scope="module")
 def llm():
