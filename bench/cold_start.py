@@ -24,7 +24,7 @@ import time
 
 import httpx
 
-from pdserve.bench.up_ready import exited_before_ready
+from pdserve.bench.up_ready import exited_before_ready, tail
 
 TOPICS = ("rivers", "bread", "winter", "trains", "bees", "copper", "maps", "violins",
           "salt", "kites", "glass", "owls", "tides", "paper", "lanterns", "deserts",
@@ -42,12 +42,12 @@ def start(args: argparse.Namespace, warm: bool) -> tuple[subprocess.Popen, str, 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     assert proc.stdout is not None
-    lines: list[str] = []
+    last = tail()
     for line in proc.stdout:
         if line.startswith("pdserve ready"):
             return proc, line.split()[2], time.perf_counter() - t0
-        lines = [*lines[-4:], line]
-    raise exited_before_ready("pdserve up", proc.wait(), lines)
+        last.append(line)
+    raise exited_before_ready("pdserve up", proc.wait(), last)
 
 
 async def one(http: httpx.AsyncClient, topic: str, index: int, max_tokens: int) -> float:

@@ -44,15 +44,12 @@ def _events(cu: ctypes.CDLL, n: int) -> list[_VP]:
     return out
 
 
-def run(threads: int, with_event: bool, pages: int, page_bytes: int, reps: int,
-        rng: np.random.Generator) -> tuple[float, float]:
-    """(issue ms, issue + copy ms), medians."""
-    cu = _driver()
+def run(cu: ctypes.CDLL, src: torch.Tensor, dst: torch.Tensor, threads: int, with_event: bool,
+        pages: int, page_bytes: int, reps: int, rng: np.random.Generator) -> tuple[float, float]:
+    """(issue ms, issue + copy ms), medians; `src` and `dst` are pools of whole pages."""
     ctx = _VP()
     cu.cuCtxGetCurrent(ctypes.byref(ctx))
-    pool_pages = 16 * pages
-    src = torch.empty(pool_pages * page_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
+    pool_pages = src.numel() // page_bytes
     streams = [torch.cuda.Stream() for _ in range(threads)]
     events = [_events(cu, pages) for _ in range(threads)]
     times = []
@@ -101,12 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.zeros(1, device="cuda")  # the primary context, current on this thread
     page_bytes = int(args.page_mib * (1 << 20))
     rng = np.random.default_rng(0)
+    cu = _driver()
+    src = torch.empty(16 * args.pages * page_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
     print(f"{args.pages} copies of {page_bytes >> 10} KiB, {torch.cuda.get_device_name()}")
     print("| threads | event per copy | issue ms (us per copy) | issue + copy ms (GB/s) |")
     print("| --- | --- | --- | --- |")
     for with_event in (False, True):
         for threads in (1, 2, 4, 8):
-            issue, total = run(threads, with_event, args.pages, page_bytes, args.reps, rng)
+            issue, total = run(cu, src, dst, threads, with_event, args.pages, page_bytes,
+                               args.reps, rng)
             gbs = args.pages * page_bytes / total / 1e6
             print(f"| {threads} | {'yes' if with_event else 'no'} | {issue:.3f} "
                   f"({issue * 1e3 / args.pages:.2f}) | {total:.3f} ({gbs:.0f}) |", flush=True)

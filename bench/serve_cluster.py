@@ -5,7 +5,6 @@ from /proc over each workload), then stopped."""
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import resource
@@ -16,7 +15,7 @@ import threading
 import time
 
 from pdserve.bench.serve_compare import Workload, bench_args, workload_seed
-from pdserve.bench.up_ready import exited_before_ready
+from pdserve.bench.up_ready import exited_before_ready, tail
 
 # name: (prefill, decode, mixed workers, extra `pdserve up` flags). pd: the 1P1D pair as
 # `pdserve up` runs it (on one GPU: MPS clients with no SM cap, where MPS works;
@@ -101,11 +100,11 @@ class Cluster:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.url = self.spatial = ""
-        tail: collections.deque[str] = collections.deque(maxlen=5)
+        last = tail()
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.log.write(line)
-            tail.append(line)
+            last.append(line)
             if line.startswith("pdserve ready"):
                 self.url = line.split()[2]
                 # e.g. spatial=50/50 or spatial=off: what the cluster really ran as
@@ -114,7 +113,7 @@ class Cluster:
                 break
         if not self.url:
             self.log.close()
-            raise exited_before_ready(f"pdserve up ({topo})", self.proc.wait(), list(tail))
+            raise exited_before_ready(f"pdserve up ({topo})", self.proc.wait(), last)
         self.ready_s = time.perf_counter() - t0
         self.log.flush()
         threading.Thread(target=self._drain, daemon=True).start()

@@ -114,8 +114,8 @@ class EventSink(Protocol):
     def put(self, event: WorkerEvent) -> None: ...
 
     def hand_over(self) -> None:
-        """Wait briefly (GIL released) until the loop has taken what was put: after a first
-        token."""
+        """Wait briefly (GIL released) until the loop has taken what was put: after a
+        request's first message."""
 
 
 class EventPump:
