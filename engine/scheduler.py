@@ -19,6 +19,7 @@ import torch
 from pdserve.engine import req_trace
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.forward_batch import ForwardMode
+from pdserve.engine.kernel_profile import KernelProfile
 from pdserve.engine.memory import KVMemory
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.overlap import OverlapDecoder, simple_sampling
@@ -39,6 +40,7 @@ class Scheduler:
         self.overlap = (OverlapDecoder(self)
                         if config.overlap_schedule and runner.device.type == "cuda" else None)
         self.trace = StepTrace.from_env()
+        self.kernels = KernelProfile.from_env(runner.device)
         self._traced_waiting: set[str] = set()  # PDSERVE_REQ_TRACE: stamped `step` already
 
     # ---- hooks --------------------------------------------------------------------------------
@@ -108,7 +110,11 @@ class Scheduler:
                 for e in batch.entries:
                     self._traced_waiting.discard(e.req.rid)
                     req_trace.stamp("scheduled", e.req.rid)
-            self.run_extend(batch)
+            if self.kernels is None:
+                self.run_extend(batch)
+            else:
+                with self.kernels.step(sum(e.num_tokens for e in batch.entries)):
+                    self.run_extend(batch)
             mode = ForwardMode.EXTEND
         elif self.running or (self.overlap is not None and self.overlap.busy):
             self.run_decode()

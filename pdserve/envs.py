@@ -98,6 +98,11 @@ class Envs:
         "PDSERVE_STEP_TRACE", None, _text,
         "a folder: every scheduler (offline engine, each worker) writes one JSON line per "
         "forward step to `steps-<pid>-<id>.jsonl` there (`python -m pdserve.bench.step_trace`)")
+    kernel_profile: str | None = _switch(
+        "PDSERVE_KERNEL_PROFILE", None, _text,
+        "a folder: every scheduler profiles its long extend batches (torch.profiler) and writes "
+        "the time per kernel to `kernels-<pid>-<id>.jsonl` there (`python -m "
+        "pdserve.bench.kernel_profile`)")
     cache: str | None = _switch(
         "PDSERVE_CACHE", None, _text,
         "cache folder (default model, tokenizers, CPU kernel); unset: $XDG_CACHE_HOME/pdserve "
