@@ -29,6 +29,7 @@ import torch
 
 UCS_INPROGRESS = 1
 ERR_LAST = -100  # UCS status codes lie in (ERR_LAST, 0]
+_FIRST_ERROR_PTR = (1 << 64) + ERR_LAST + 1  # an error status as a pointer (unsigned) is above
 MAP_ADDRESS, MAP_LENGTH, MAP_MEMORY_TYPE = 1 << 0, 1 << 1, 1 << 4
 MEMORY_HOST, MEMORY_CUDA = 0, 1  # ucs_memory_type_t
 _VP = ctypes.c_void_p
@@ -154,15 +155,18 @@ class RemoteKey:
         """The endpoint closed (the peer went away): its handle must not be used."""
         return bool(self._endpoint.closed)
 
-    def put(self, local: int, nbytes: int, remote: int) -> None:
-        """Start one write of `nbytes` from local address `local` to the remote `remote`; a
-        later `flush` says when it landed."""
-        status = _status_of(ptr := libucp().ucp_put_nbx(self.ep, local, nbytes, remote,
-                                                        self._key, _NO_PARAMS))
-        if status is None:
-            libucp().ucp_request_free(ptr)  # UCX completes it and releases it then
-        else:
-            check(status, "ucp_put_nbx")
+    def put(self, runs: list[tuple[int, int, int]]) -> None:
+        """Start one write per (local address, bytes, remote address); a later `flush` says
+        when they landed. The loop is this module's hot path (one call per page of a
+        scattered room), so it binds what it calls once and tests the status pointer inline."""
+        lib = libucp()
+        put_nbx, free, ep, key = lib.ucp_put_nbx, lib.ucp_request_free, self.ep, self._key
+        for local, nbytes, remote in runs:
+            ptr = put_nbx(ep, local, nbytes, remote, key, _NO_PARAMS)
+            if ptr:  # None: done at once
+                if ptr >= _FIRST_ERROR_PTR:
+                    check(ctypes.c_int64(ptr).value, "ucp_put_nbx")
+                free(ptr)  # a request: UCX completes it and releases it then
 
     def flush(self) -> Request:
         """The endpoint's flush: done once every write started before it has landed."""

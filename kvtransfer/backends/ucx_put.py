@@ -131,8 +131,7 @@ class PutSender:
             key = self._keys.get(peer)
             if key is None or key.closed:
                 raise RuntimeError(f"ucx: no remote key for peer {peer} (its endpoint closed)")
-            for local, nbytes, remote in runs:
-                key.put(local, nbytes, remote)
+            key.put(runs)
             if room >= 0:  # not the warm-up: the puts' issue, apart from their landing
                 stamp("issued", room)
             req = key.flush()
