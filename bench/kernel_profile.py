@@ -3,7 +3,8 @@
     python -m pdserve.bench.kernel_profile DIR [--skip N] [--top K]
 
 Per file (one process: the offline engine or one worker; its warm-up's steps are the first
-ones, `--skip` drops them): the median step's wall and summed kernel time, then the K kernels
+ones, `--skip` drops them): the median step's wall time, summed kernel time and the kernels'
+span (longer than their sum: the device waited between them), then the K kernels
 with the most time, median milliseconds per step in each process. The same kernels slower in
 one process point at the device (clocks, a neighbour's work); different kernels at the code.
 """
@@ -32,14 +33,15 @@ def summary(steps: list[dict]) -> dict:
             "tokens": statistics.median(s["tokens"] for s in steps),
             "wall_ms": statistics.median(s["wall_ms"] for s in steps),
             "kernel_ms": statistics.median(s["kernel_ms"] for s in steps),
+            "span_ms": statistics.median(s.get("span_ms", 0.0) for s in steps),
             "kernels": {k: statistics.median(s["kernels"].get(k, 0.0) for s in steps)
                         for k in names}}
 
 
 def table(procs: list[tuple[str, dict]], top: int) -> str:
-    lines = ["process  steps  tokens  wall ms  kernels ms"]
+    lines = ["process  steps  tokens  wall ms  kernels ms  span ms"]
     lines += [f"{name}  {s['steps']}  {s['tokens']:.0f}  {s['wall_ms']:.3f}  {s['kernel_ms']:.3f}"
-              for name, s in procs]
+              f"  {s['span_ms']:.3f}" for name, s in procs]
     total: dict[str, float] = {}
     for _, s in procs:
         for k, v in s["kernels"].items():

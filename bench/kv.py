@@ -215,6 +215,7 @@ def run_pair(args: argparse.Namespace, backend: str, page_size: int, bar: tqdm,
                                             if k.startswith("UCX_")),
                         "stage_mib": args.stage_mib,
                         "ucx_puts": backend == "ucx" and _ucx_puts(),
+                        "paths": ",".join(res.get("paths", [])),
                     })
     finally:
         mgr.close()

@@ -199,6 +199,8 @@ def _op(mgr: KVManager, rooms: dict[int, Any], pools: PoolSet, op: str,
         return kv_checksum(pools, args[0])
     elif op == "registered":
         return mgr.registered_regions()
+    elif op == "paths":
+        return mgr.transfer_paths()
     elif op == "cpu":  # this process's CPU time over the next args[0] seconds, in cores
         return _cpu_cores(args[0])
     else:

@@ -40,7 +40,8 @@ def _run_wave(mgr: KVManager, pools: PoolSet, plan: list[tuple[int, list[int]]],
     failed = {room: s.failure_reason or str(s.poll()) for room, s, _ in senders
               if s.poll() != KVPoll.Success}
     sums = {room: kv_checksum(pools, src) for room, _, src in senders}
-    return {"starts": starts, "failed": failed, "checksums": sums}
+    return {"starts": starts, "failed": failed, "checksums": sums,
+            "paths": sorted(set(mgr.transfer_paths().values()))}
 
 
 def serve(conn: Connection, spec: PoolSpec, cfg: dict[str, Any]) -> None:

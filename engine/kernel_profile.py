@@ -2,11 +2,13 @@
 
 Every extend batch of at least `MIN_TOKENS` tokens (the first `MAX_STEPS` of a scheduler) runs
 under torch.profiler. One JSON line per such step goes to `kernels-<pid>-<id>.jsonl` in DIR:
-its wall time, its tokens, and the time per kernel name (device time on CUDA; on a CPU, the
-self time of each operator). Two processes' files set side by side (`python -m
-pdserve.bench.kernel_profile DIR`) tell whether one of them runs the same kernels slower (the
-device: clocks, a neighbour's work) or runs different ones, which a wall-clock step trace
-cannot. Off, a step pays one attribute test.
+its wall time, its tokens, the time per kernel name (device time on CUDA; on a CPU, the
+self time of each operator), their sum, and their span (the first kernel's start to the last
+one's end: a span longer than the sum is time the device waited between kernels). Two
+processes' files set side by side (`python -m pdserve.bench.kernel_profile DIR`) tell whether
+one of them runs the same kernels slower (the device: clocks, a neighbour's work), runs other
+ones, or leaves the device waiting between them, which a wall-clock step trace cannot tell
+apart. Off, a step pays one attribute test.
 """
 
 from __future__ import annotations
@@ -74,7 +76,10 @@ class KernelProfile:
         for e in prof.key_averages():
             if e.device_type == want and (us := _time_us(e, self._cuda)) > 0:
                 times[e.key] = times.get(e.key, 0.0) + us / 1e3
+        ranges = [e.time_range for e in prof.events() if e.device_type == want]
+        span = (max(r.end for r in ranges) - min(r.start for r in ranges)) / 1e3 if ranges else 0
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"t": time.time(), "wall_ms": wall * 1e3, "tokens": tokens,
                                 "kernel_ms": round(sum(times.values()), 4),
+                                "span_ms": round(span, 4),
                                 "kernels": {k: round(v, 4) for k, v in times.items()}}) + "\n")

@@ -79,6 +79,10 @@ class TransferEngine(ABC):
     def registered(self) -> list[str]:
         return sorted(self._regions)
 
+    def paths(self) -> dict[str, str]:
+        """Sender: how pages move to each connected peer, where a backend has several ways."""
+        return {}
+
     # -- receiving side -------------------------------------------------------------------
     @abstractmethod
     def start_receiver(self, handler: ReceiveHandler) -> dict[str, Any]:

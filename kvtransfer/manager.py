@@ -136,6 +136,11 @@ class KVManager:
         side = self._prefill or self._decode
         return side.registered_regions() if side is not None else []
 
+    def transfer_paths(self) -> dict[str, str]:
+        """Prefill: how pages move to each decode peer where the backend has several ways
+        (ucx: `ucx/mapped`, `ucx/puts` or `ucx/staged`); empty elsewhere."""
+        return self._prefill.transfer_paths() if self._prefill is not None else {}
+
     def close(self) -> None:
         """Fail every live room (peers are told), stop threads, close sockets, deregister
         every region. The pool buffer itself (and its shm segment) stays the caller's."""

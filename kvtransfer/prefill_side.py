@@ -115,6 +115,9 @@ class PrefillSide:
     def registered_regions(self) -> list[str]:
         return self.xfer.registered_regions()
 
+    def transfer_paths(self) -> dict[str, str]:
+        return self.xfer.paths()
+
     def close(self) -> None:
         with self._lock:
             senders = list(self._senders.values())

@@ -76,6 +76,11 @@ class TransferThread:
     def registered_regions(self) -> list[str]:
         return sorted({r for e in list(self._engines.values()) for r in e.registered})
 
+    def paths(self) -> dict[str, str]:
+        """Per peer: `backend/path` where its engine moves pages in more than one way."""
+        return {peer: f"{e.name}/{path}" for e in list(self._engines.values())
+                for peer, path in e.paths().items()}
+
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=10)

@@ -86,6 +86,11 @@ class Envs:
         "PDSERVE_UCX_RMA", True, _flag,
         "a decode worker's ucx engine maps its pool for one-sided puts; off: its prefill peers "
         "send staged tagged messages (kvtransfer/backends/ucx_put.py)")
+    ucx_mapped: bool = _switch(
+        "PDSERVE_UCX_MAPPED", True, _flag,
+        "a ucx sender whose peer's GPU pool UCX maps onto its own GPU (ucp_rkey_ptr) copies a "
+        "chunk's pages with one kernel; off: one put per run of pages "
+        "(kvtransfer/backends/ucx_put.py)")
     # Diagnostics and storage.
     kv_trace: bool = _switch(
         "PDSERVE_KV_TRACE", False, _flag,

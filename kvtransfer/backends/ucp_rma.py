@@ -8,8 +8,9 @@ libucp directly through ctypes:
 - receiver: `PoolMapping` (`ucp_mem_map` of the pool, `ucp_rkey_pack`): the packed remote key,
   sent to the sender with the pool's base address;
 - sender: `RemoteKey` (`ucp_ep_rkey_unpack` on the endpoint to the receiver), `put` (one
-  `ucp_put_nbx` per run of pages, its request released at once) and `flush`
-  (`ucp_ep_flush_nbx`: done once every put of the endpoint has landed at the receiver).
+  `ucp_put_nbx` per run of pages, its request released at once), `flush`
+  (`ucp_ep_flush_nbx`: done once every put of the endpoint has landed at the receiver) and
+  `pointer` (`ucp_rkey_ptr`: the receiver's memory mapped here, where UCX can map it).
 
 A request is polled here (`Request.done`), progressing the worker as it does: ucxx's
 progress thread sleeps until the worker's next event, which a put's completion may not raise.
@@ -53,6 +54,7 @@ _SIGNATURES = [
     ("ucp_rkey_buffer_release", None, [_VP]),
     ("ucp_ep_rkey_unpack", ctypes.c_int, [_VP, ctypes.c_char_p, ctypes.POINTER(_VP)]),
     ("ucp_rkey_destroy", None, [_VP]),
+    ("ucp_rkey_ptr", ctypes.c_int, [_VP, ctypes.c_uint64, ctypes.POINTER(_VP)]),
     ("ucp_put_nbx", _VP, [_VP, _VP, ctypes.c_size_t, ctypes.c_uint64, _VP, _VP]),
     ("ucp_ep_flush_nbx", _VP, [_VP, _VP]),
     ("ucp_request_check_status", ctypes.c_int, [_VP]),
@@ -149,6 +151,15 @@ class RemoteKey:
         self._key = _VP()
         check(libucp().ucp_ep_rkey_unpack(self.ep, bytes.fromhex(rkey_hex),
                                           ctypes.byref(self._key)), "ucp_ep_rkey_unpack")
+
+    def pointer(self, remote: int) -> int | None:
+        """A local address of the remote `remote` (`ucp_rkey_ptr`), where UCX can map the
+        receiver's memory into this process (shared memory; on GPUs, its CUDA IPC handle
+        opened on the current device), else None."""
+        out = _VP()
+        if libucp().ucp_rkey_ptr(self._key, remote, ctypes.byref(out)) != 0 or not out.value:
+            return None
+        return int(out.value)
 
     @property
     def closed(self) -> bool:

@@ -244,6 +244,9 @@ class UcxEngine(TransferEngine):
         this thread; the receiver counts it in `deliver`). A staged chunk's header went first."""
         return not self._puts.wanted(peer, self.region("kv"), peer_info)
 
+    def paths(self) -> dict[str, str]:
+        return {peer: self._puts.path(peer) for peer in list(self._eps)}
+
     def deliver(self, header: bytes, token: bytes = b"") -> None:
         count_landed(self._handler, self.name, header)
 

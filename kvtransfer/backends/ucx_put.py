@@ -14,6 +14,15 @@ nixl the receiver cannot refuse bytes: the pages come from the room's registrati
 (sender.py), the runs are checked against the peer's pool and ours before a put, and the key
 covers the pool only.
 
+Where UCX can map the receiver's GPU pool onto the sender's own GPU (`ucp_rkey_ptr`: its
+cuda_ipc transport opens the pool's IPC handle here, for two processes on one GPU), a put per
+run would cost a driver copy and an event each (~11 us of host time per page on an H100, which
+bounds a scattered 4096-token room near 130 GB/s); the sender copies the chunk's pages with
+one kernel through that mapping instead (kernels/page_p2p_copy.py, as the cuda_ipc backend
+does), and waits for it before the header goes. Peers that UCX reaches only by puts (other
+hosts; a pool on another GPU, whose mapping our kernels cannot use) keep one put per run;
+`PDSERVE_UCX_MAPPED=0` keeps puts everywhere.
+
 `PDSERVE_UCX_RMA=0` on the receiver announces no key, and its senders use the two-sided path
 (tagged messages through staging buffers, ucx.py), for comparison; so does a receiver where
 libucp has no RMA symbols, with the reason logged once.
@@ -27,11 +36,12 @@ import time
 from functools import cache
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdserve.envs import envs
 from pdserve.kvtransfer.backends import ucp_rma
-from pdserve.kvtransfer.descriptors import check_runs, coalesce
+from pdserve.kvtransfer.descriptors import DST, SRC, check_runs, coalesce, run_pages
 from pdserve.kvtransfer.engine import ChunkHeader
 from pdserve.kvtransfer.trace import stamp
 
@@ -56,6 +66,7 @@ class PutSender:
     def __init__(self, timeout_s: float) -> None:
         self._timeout = timeout_s
         self._keys: dict[str, ucp_rma.RemoteKey] = {}
+        self._mapped: dict[str, _MappedPool] = {}  # peers whose pool UCX maps onto our GPU
         self._refused: set[str] = set()  # peers whose key or first put failed: staged
         self._lock = threading.Lock()
 
@@ -72,6 +83,12 @@ class PutSender:
 
     def has_key(self, peer: str) -> bool:
         return peer in self._keys
+
+    def path(self, peer: str) -> str:
+        """How chunks to this peer move: "mapped" (one kernel), "puts" or "staged"."""
+        if peer in self._mapped:
+            return "mapped"
+        return "puts" if peer in self._keys else "staged"
 
     def refuse(self, peer: str, why: Exception) -> None:
         """Staged messages to this peer from now on (UCX found no way to put there)."""
@@ -93,6 +110,7 @@ class PutSender:
     def forget(self, peer: str) -> None:
         """Before the peer's endpoint closes."""
         with self._lock:
+            self._mapped.pop(peer, None)
             key = self._keys.pop(peer, None)
             if key is not None:
                 key.close()
@@ -107,11 +125,38 @@ class PutSender:
         fails, the peer is refused (staged messages)."""
         if peer not in self._keys:
             return
+        if self._map(peer, pool, peer_info["rma"]):
+            return
         page = pool[0].numel() * pool.element_size()
         try:
             self._put_runs(peer, [(pool.data_ptr(), page, int(peer_info["rma"]["base"]))])
         except RuntimeError as e:
             self.refuse(peer, e)
+
+    def _map(self, peer: str, pool: torch.Tensor, rma: dict[str, Any]) -> bool:
+        """The peer's pool mapped onto our GPU, and its copy kernel built and run once (page
+        0 into page 0, which no request uses; Triton compiles it now, not on a room's path);
+        False where UCX cannot map it here or the kernel fails (then puts)."""
+        if not (envs().ucx_mapped and pool.is_cuda):
+            return False
+        with torch.cuda.device(pool.device):
+            # UCX opens the handle in this thread's current context: a runtime call binds
+            # the device's primary context to this (loop) thread first.
+            torch.cuda.current_stream(pool.device).query()
+            ptr = self._keys[peer].pointer(int(rma["base"]))
+            if ptr is None:
+                log.info("ucx: UCX cannot map the pool of %s here: one put per run", peer)
+                return False
+            try:
+                mapped = _MappedPool(ptr, int(rma["num_pages"]), pool)
+                mapped.copy(np.zeros((2, 1), dtype=np.int64))
+            except (ImportError, RuntimeError, ValueError) as e:
+                log.warning("ucx: no kernel copy into the pool of %s (%s): puts", peer, e)
+                return False
+        with self._lock:
+            self._mapped[peer] = mapped
+        log.info("ucx: the pool of %s is mapped onto this GPU: one copy kernel per chunk", peer)
+        return True
 
     def write(self, peer: str, pool: torch.Tensor, peer_info: dict[str, Any],
               header: ChunkHeader) -> None:
@@ -121,6 +166,14 @@ class PutSender:
             return
         rma = peer_info["rma"]
         check_runs(runs, int(rma["num_pages"]), int(pool.shape[0]), peer)
+        with self._lock:
+            mapped = self._mapped.get(peer)
+            if mapped is not None:
+                mapped.copy(np.stack([run_pages(header.descs, SRC),
+                                      run_pages(header.descs, DST)]), header.room)
+        if mapped is not None:
+            stamp("staged", header.room)
+            return
         page, base, far = pool[0].numel() * pool.element_size(), pool.data_ptr(), int(rma["base"])
         self._put_runs(peer, [(base + int(s) * page, int(n) * page, far + int(d) * page)
                               for s, d, n in runs.tolist()], header.room)
@@ -143,6 +196,52 @@ class PutSender:
                             f"ucx: puts to {peer} not flushed after {self._timeout}s")
             finally:
                 req.release()
+
+
+class _CudaMemory:
+    """Device memory at a raw address, as torch.as_tensor takes it (CUDA array interface)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "version": 3, "strides": None}
+
+
+class _MappedPool:
+    """A receiver's pool as UCX mapped it onto our GPU, the kernel that copies pages of our
+    pool into it, and the stream it runs on. Raises ValueError where the mapping is not on
+    our GPU (a pool on another one, which our kernels cannot reach through it)."""
+
+    def __init__(self, ptr: int, num_pages: int, pool: torch.Tensor) -> None:
+        from pdserve.kernels.page_p2p_copy import PageCopier
+
+        page = pool[0].numel() * pool.element_size()
+        raw = torch.as_tensor(_CudaMemory(ptr, num_pages * page), device=pool.device)
+        if raw.device != pool.device or raw.data_ptr() != ptr:
+            raise ValueError(f"the mapping is on {raw.device}, our pool on {pool.device}")
+        self.pool, self.dst = pool, raw.view(pool.dtype).view(num_pages, *pool.shape[1:])
+        self.copier = PageCopier(pool, self.dst)
+        self.stream = torch.cuda.Stream(device=pool.device)
+        self._index(2 * int(pool.shape[0]))
+
+    def _index(self, n: int) -> None:
+        """Pinned and device buffers for `n` page indices, made once (a pinned allocation on
+        a room's path took about 2 ms of the first 4096-token room on an H100)."""
+        self._host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        self._host_np = self._host.numpy()
+        self._dev = torch.empty(n, dtype=torch.int64, device=self.pool.device)
+
+    def copy(self, pages: np.ndarray, room: int = -1) -> None:
+        """`pages`: [2, n] (ours, theirs), checked by the caller; back once they landed."""
+        n = pages.shape[1]
+        with torch.cuda.device(self.pool.device), torch.cuda.stream(self.stream):
+            if 2 * n > self._host.numel():
+                self._index(2 * n)
+            self._host_np[:n], self._host_np[n:2 * n] = pages[0], pages[1]
+            self._dev[:2 * n].copy_(self._host[:2 * n], non_blocking=True)
+            self.copier(self._dev[:n], self._dev[n:2 * n])
+            if room >= 0:
+                stamp("issued", room)
+            self.stream.synchronize()  # also: the pinned indices may be written again
 
 
 def offer(pool: torch.Tensor) -> tuple[ucp_rma.PoolMapping | None, dict[str, Any]]:

@@ -52,22 +52,28 @@ def test_cuda_ipc_pages_arrive_bit_exact(ipc_copy: str) -> None:
         assert prefill.close() == []
 
 
-@pytest.mark.parametrize(("backend", "ucx_tls", "rma"), [
-    ("ucx", None, "1"),  # UCX free to pick: cuda_ipc between the two processes; puts
-    ("ucx", None, "0"),  # the same, staged tagged messages
-    ("ucx", "tcp,cuda_copy", "1"),  # through host memory, as across hosts without RDMA
-    ("ucx", "tcp,cuda_copy", "0"),
-    ("nixl", None, "1"),
+@pytest.mark.parametrize(("backend", "ucx_tls", "rma", "path"), [
+    # UCX free to pick: it maps decode's pool here (cuda_ipc), one copy kernel per chunk
+    ("ucx", None, "1", "ucx/mapped"),
+    ("ucx", None, "1:puts", "ucx/puts"),  # the same with PDSERVE_UCX_MAPPED=0: a put per run
+    ("ucx", None, "0", "ucx/staged"),  # staged tagged messages
+    ("ucx", "tcp,cuda_copy", "1", "ucx/puts"),  # through host memory, as across hosts
+    ("ucx", "tcp,cuda_copy", "0", "ucx/staged"),
+    ("nixl", None, "1", None),
 ])
 def test_network_backends_between_two_processes_on_one_gpu(
-        backend: str, ucx_tls: str | None, rma: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        backend: str, ucx_tls: str | None, rma: str, path: str | None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Both workers are child processes on GPU 0 (UCX reads UCX_TLS when it starts, so the
-    mode is set before they spawn). ucx one-sided (decode maps its pool) or staged, three
+    mode is set before they spawn). ucx one-sided (decode maps its pool: the sender copies
+    with one kernel where UCX maps that pool here, else puts a run at a time) or staged, three
     pages per message (the scattered chunk crosses both staging buffers several times); the
     pages arrive bit-exact and nothing stays registered."""
     if not importable(backend):
         pytest.skip(f"{backend} is not installed")
+    rma, _, puts = rma.partition(":")
     monkeypatch.setenv("PDSERVE_UCX_RMA", rma)
+    monkeypatch.setenv("PDSERVE_UCX_MAPPED", "0" if puts else "1")
     if ucx_tls is None:
         monkeypatch.delenv("UCX_TLS", raising=False)
     else:
@@ -86,6 +92,8 @@ def test_network_backends_between_two_processes_on_one_gpu(
             assert st == KVPoll.Success, reason
             assert decode.call("checksum", DST) == prefill.call("checksum", SRC)
             assert decode.call("aux", room) == (3, -0.1, 0)
+            if path is not None:
+                assert list(prefill.call("paths").values()) == [path]
     finally:
         assert decode.close() == []
         assert prefill.close() == []

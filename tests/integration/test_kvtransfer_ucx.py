@@ -58,6 +58,8 @@ def test_pages_arrive_bit_exact_on_a_connection_made_at_handshake(
         # one-sided: the remote key is unpacked on that endpoint, before any page is sent
         assert ("rma" in s.peer_info) == (mode != "staged")
         assert list(eng._puts._keys) == ([s.peer.hex()] if puts else [])  # type: ignore
+        # host pools: nothing for UCX to map onto a GPU, so puts go a run at a time
+        assert pmgr.transfer_paths() == {s.peer.hex(): "ucx/puts" if puts else "ucx/staged"}
         s.send(src[:8], 0, False)  # one run
         s.send(src[8:13], 8, False)  # scattered
         s.send(torch.tensor(src[13:]), 13, True, AuxData(5, -0.125, 2))
