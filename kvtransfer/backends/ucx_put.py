@@ -149,7 +149,7 @@ class PutSender:
                 return False
             try:
                 mapped = _MappedPool(ptr, int(rma["num_pages"]), pool)
-                mapped.copy(np.zeros((2, 1), dtype=np.int64))
+                mapped.copy(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
             except (ImportError, RuntimeError, ValueError) as e:
                 log.warning("ucx: no kernel copy into the pool of %s (%s): puts", peer, e)
                 return False
@@ -169,8 +169,8 @@ class PutSender:
         with self._lock:
             mapped = self._mapped.get(peer)
             if mapped is not None:
-                mapped.copy(np.stack([run_pages(header.descs, SRC),
-                                      run_pages(header.descs, DST)]), header.room)
+                mapped.copy(run_pages(header.descs, SRC), run_pages(header.descs, DST),
+                            header.room)
         if mapped is not None:
             stamp("staged", header.room)
             return
@@ -230,13 +230,14 @@ class _MappedPool:
         self._host_np = self._host.numpy()
         self._dev = torch.empty(n, dtype=torch.int64, device=self.pool.device)
 
-    def copy(self, pages: np.ndarray, room: int = -1) -> None:
-        """`pages`: [2, n] (ours, theirs), checked by the caller; back once they landed."""
-        n = pages.shape[1]
+    def copy(self, src: np.ndarray, dst: np.ndarray, room: int = -1) -> None:
+        """Our pages `src` into their pages `dst` (checked by the caller); back once they
+        landed."""
+        n = len(src)
         with torch.cuda.device(self.pool.device), torch.cuda.stream(self.stream):
             if 2 * n > self._host.numel():
                 self._index(2 * n)
-            self._host_np[:n], self._host_np[n:2 * n] = pages[0], pages[1]
+            self._host_np[:n], self._host_np[n:2 * n] = src, dst
             self._dev[:2 * n].copy_(self._host[:2 * n], non_blocking=True)
             self.copier(self._dev[:n], self._dev[n:2 * n])
             if room >= 0:
