@@ -24,12 +24,13 @@ from pdserve.envs import envs
 # decode preallocated the prompt's pages; bootstrapped: prefill saw them; extend: its extend
 # batch started; sampled: the prompt's first token was read back (prefill or mixed
 # worker); answered: the prefill worker's session wrote its answer (with that token);
-# transferred: decode has the KV and the first token; sent: the worker's session wrote the
-# first token's message; received: the router's session read it; first: the router
-# has the first token (in P/D from the prefill answer, before decode's message).
+# reached: the router's session read that answer; transferred: decode has the KV and the
+# first token; sent: the worker's session wrote the first token's message; received: the
+# router's session read it; first: the router has the first token (in P/D from the prefill
+# answer, before decode's message).
 STAGES = ("arrival", "dispatch", "accept", "queued", "added", "step", "scheduled", "registered",
-          "bootstrapped", "extend", "sampled", "answered", "transferred", "sent", "received",
-          "first")
+          "bootstrapped", "extend", "sampled", "answered", "reached", "transferred", "sent",
+          "received", "first")
 
 
 def enabled() -> bool:

@@ -115,8 +115,7 @@ class Preparer:
         """Validate; `max_tokens=None` means as many as fit (capped by default_max_tokens)."""
         if not input_ids:
             raise InvalidRequest(f"{prompt_param}: must not be empty", param=prompt_param)
-        bad = [t for t in input_ids
-               if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        bad = _bad_ids(input_ids, self.vocab_size)
         if bad:
             raise InvalidRequest(
                 f"{prompt_param}: token ids must be in [0, {self.vocab_size}) (vocab size), "
@@ -144,3 +143,12 @@ class Preparer:
             raise InvalidRequest.from_value_error(ValueError(str(e))) from None
         rid = request_id or f"req-{uuid.uuid4().hex}"
         return PreparedRequest(request_id=rid, input_ids=list(input_ids), sampling=params)
+
+
+def _bad_ids(ids: list, vocab_size: int) -> list:
+    """The entries of `ids` that are not token ids in [0, vocab_size) (bools excluded). The
+    common case, all ints in range, is settled by one pass over their types and min/max."""
+    if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size:
+        return []
+    return [t for t in ids
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]

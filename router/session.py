@@ -238,6 +238,8 @@ class WorkerSession:
                     for event in msg.events:
                         if event.HasField("decode"):
                             req_trace.stamp("received", event.decode.request_id)
+                        elif event.HasField("prefill"):
+                            req_trace.stamp("reached", event.prefill.request_id)
                 for event in msg.events:
                     call = self._calls.get(event.call_id)
                     if call is not None:

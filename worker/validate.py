@@ -35,10 +35,11 @@ def validate_request(request: pb.PrefillRequest | pb.DecodeRequest, vocab_size: 
         sampling.validate(vocab_size)
     except ValueError as e:
         raise BadRequest(str(e)) from None
-    ids = list(request.input_ids)
+    ids = request.input_ids[:]  # a list (faster than list() over the container)
     if not ids:
         raise BadRequest("input_ids: must contain at least one token")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    bad = None if 0 <= min(ids) and max(ids) < vocab_size else next(
+        t for t in ids if not 0 <= t < vocab_size)
     if bad is not None:
         raise BadRequest(f"input_ids: token id {bad} outside the vocabulary [0, {vocab_size})")
     if len(ids) >= max_context_len:

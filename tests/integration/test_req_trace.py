@@ -11,7 +11,7 @@ from fixtures.cluster import start_cluster
 
 from pdserve.engine.req_trace import STAGES, main, summarize
 
-PD_ONLY = ("registered", "bootstrapped", "answered", "transferred")
+PD_ONLY = ("registered", "bootstrapped", "answered", "reached", "transferred")
 
 
 @pytest.mark.parametrize("topology", ["pd", "mixed"])
