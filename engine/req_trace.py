@@ -16,21 +16,21 @@ import time
 
 from pdserve.envs import envs
 
-# In the order a request passes them (decode's registration and prefill's bootstrap run beside
-# the prefill, which starts before them on an idle prefill worker). accept: a worker took the
-# call (prefill and decode both, each stamping its own); queued: the scheduler took it;
-# added: its scheduler's add() returned (prefill: the KV sender made); step: the scheduler's
-# next iteration began with it waiting; scheduled: its extend batch was formed; registered:
-# decode preallocated the prompt's pages; bootstrapped: prefill saw them; extend: its extend
-# batch started; sampled: the prompt's first token was read back (prefill or mixed
-# worker); answered: the prefill worker's session wrote its answer (with that token);
-# reached: the router's session read that answer; transferred: decode has the KV and the
-# first token; sent: the worker's session wrote the first token's message; received: the
-# router's session read it; first: the router has the first token (in P/D from the prefill
-# answer, before decode's message).
-STAGES = ("arrival", "dispatch", "accept", "queued", "added", "step", "scheduled", "registered",
-          "bootstrapped", "extend", "sampled", "answered", "reached", "transferred", "sent",
-          "received", "first")
+# In the order a request passes them (decode's own stages, its registration and prefill's
+# bootstrap run beside the prefill, which starts before them on an idle prefill worker).
+# accept: a worker took the call; queued: its scheduler took it; added: its scheduler's add()
+# returned (prefill: the KV sender made); decode-accept / -queued / -added: the same on a
+# decode worker; step: the scheduler's next iteration began with it waiting; scheduled: its
+# extend batch was formed; registered: decode preallocated the prompt's pages; bootstrapped:
+# prefill saw them; extend: its extend batch started; sampled: the prompt's first token was
+# read back (prefill or mixed worker); answered: the prefill worker's session wrote its answer
+# (with that token); reached: the router's session read that answer; transferred: decode has
+# the KV and the first token; sent: the worker's session wrote the first token's message;
+# received: the router's session read it; first: the router has the first token (in P/D from
+# the prefill answer, before decode's message).
+STAGES = ("arrival", "dispatch", "accept", "queued", "added", "decode-accept", "decode-queued",
+          "decode-added", "step", "scheduled", "registered", "bootstrapped", "extend", "sampled",
+          "answered", "reached", "transferred", "sent", "received", "first")
 
 
 def enabled() -> bool:

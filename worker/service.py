@@ -78,7 +78,7 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
         `room_error`: the message when the request needs a room and has none (None: no room
         needed). Aborts the call with INVALID_ARGUMENT / ALREADY_EXISTS / UNAVAILABLE.
         """
-        req_trace.stamp("accept", request.request_id)
+        req_trace.stamp(self._stage("accept"), request.request_id)
         await self.check_serving(context)
         try:
             valid = validate_request(request, self.model_config.vocab_size,
@@ -90,6 +90,11 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         return rid, valid
+
+    def _stage(self, stage: str) -> str:
+        """A request-trace stage under this worker's name for it: a decode worker's own (its
+        prefill worker stamps the same request's accept, queued and added)."""
+        return f"decode-{stage}" if self.role == "decode" else stage
 
     def enter(self, request_id: str, room: int) -> str:
         """Register an arriving request; returns its internal id. A retried request reuses
@@ -115,12 +120,13 @@ class WorkerServiceBase(pb_grpc.WorkerServicer):
     def submit_add(self, req: Req, sink: EventSink) -> None:
         """Queue `req` on the scheduler thread; a refusal there ends its events with an error."""
         sched = self.thread.scheduler
+        queued, added = self._stage("queued"), self._stage("added")
 
         def add() -> None:
-            req_trace.stamp("queued", req.rid)
+            req_trace.stamp(queued, req.rid)
             try:
                 sched.add(req)
-                req_trace.stamp("added", req.rid)
+                req_trace.stamp(added, req.rid)
             except (ValueError, RuntimeError, OSError) as e:
                 sink.put(ErrorEvent(f"rejected: {e}"))
 

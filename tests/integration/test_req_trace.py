@@ -11,7 +11,8 @@ from fixtures.cluster import start_cluster
 
 from pdserve.engine.req_trace import STAGES, main, summarize
 
-PD_ONLY = ("registered", "bootstrapped", "answered", "reached", "transferred")
+PD_ONLY = ("decode-accept", "decode-queued", "decode-added", "registered", "bootstrapped",
+           "answered", "reached", "transferred")
 
 
 @pytest.mark.parametrize("topology", ["pd", "mixed"])
@@ -42,11 +43,14 @@ def test_a_request_passes_every_stage_in_order(monkeypatch, tmp_path, topology: 
     # test_prefill_early_start.py), and ends before the KV can reach decode.
     # In P/D the router streams the first token from the prefill answer, while decode gets the
     # KV and sends its own copy (skipped by the router).
-    side = ("registered", "bootstrapped", "transferred", "sent", "received")
+    side = ("decode-accept", "decode-queued", "decode-added", "registered", "bootstrapped",
+            "transferred", "sent", "received")
     chain = [s for s in want if not pd or s not in side]
     times = [medians[s] for s in chain]
     assert times == sorted(times), medians
     if pd:
+        assert medians["decode-accept"] < medians["decode-queued"] < medians["decode-added"] \
+            <= medians["registered"], medians
         assert medians["queued"] < medians["registered"] < medians["bootstrapped"] \
             < medians["transferred"] < medians["sent"] < medians["received"], medians
         assert medians["sampled"] < medians["transferred"], medians
