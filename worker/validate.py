@@ -38,9 +38,8 @@ def validate_request(request: pb.PrefillRequest | pb.DecodeRequest, vocab_size: 
     ids = request.input_ids[:]  # a list (faster than list() over the container)
     if not ids:
         raise BadRequest("input_ids: must contain at least one token")
-    bad = None if 0 <= min(ids) and max(ids) < vocab_size else next(
-        t for t in ids if not 0 <= t < vocab_size)
-    if bad is not None:
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise BadRequest(f"input_ids: token id {bad} outside the vocabulary [0, {vocab_size})")
     if len(ids) >= max_context_len:
         raise BadRequest(f"input_ids: {len(ids)} tokens exceed the context length "
