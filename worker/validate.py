@@ -35,7 +35,7 @@ def validate_request(request: pb.PrefillRequest | pb.DecodeRequest, vocab_size: 
         sampling.validate(vocab_size)
     except ValueError as e:
         raise BadRequest(str(e)) from None
-    ids = request.input_ids[:]  # a list (faster than list() over the container)
+    ids = list(request.input_ids)
     if not ids:
         raise BadRequest("input_ids: must contain at least one token")
     if min(ids) < 0 or max(ids) >= vocab_size:
